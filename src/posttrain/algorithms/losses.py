@@ -1,0 +1,301 @@
+"""Loss functions: clipped policy gradient (GRPO/PPO family), NLL (SFT) and DPO.
+
+Contract (DESIGN.md, "normalization contract"): a loss is called per micro-batch with the per-token
+logprobs of the current policy, the micro-batch, and the global valid sequence and token counts of
+the whole optimizer step. It returns the micro-batch's masked *sum* divided by the global count for
+its `loss_type`, so summing over micro-batches and ranks gives the global mean. Each metric is
+normalized the same way by the kind it declares in `metric_kinds`:
+
+- ``toks``: sum / global_valid_toks        - ``seqs``: sum / global_valid_seqs
+- ``loss_type``: by the loss's own type   - ``none``: raw sum (counts)
+- ``min`` / ``max``: min / max over valid tokens (+inf / -inf when there are none)
+
+Departures from the textbook: the sequence-level loss averages each sequence over its own tokens
+first; importance-sampling weights (generation vs trainer logprobs) multiply the KL term too.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from tensordict import TensorDict
+
+from posttrain.config import Config
+from posttrain.data.normalization import LossFn, LossType, MetricKind
+
+__all__ = [
+    "ClippedPGConfig",
+    "ClippedPGLoss",
+    "DPOConfig",
+    "DPOLoss",
+    "LossFn",
+    "LossType",
+    "NLLLoss",
+    "kl_penalty",
+]
+
+
+def token_weights(batch: TensorDict) -> torch.Tensor:
+    """[B, T] mask of trained tokens: token_mask · sample_mask with position 0 excluded."""
+    mask = batch["token_mask"].float() * batch["sample_mask"].float()[:, None]
+    mask = mask.clone()
+    mask[:, 0] = 0
+    return mask
+
+
+class _Reducer:
+    """Normalizes per-token values of one micro-batch according to the contract above."""
+
+    def __init__(
+        self, batch: TensorDict, loss_type: LossType, global_seqs: torch.Tensor, global_toks: torch.Tensor
+    ):
+        self.mask = token_weights(batch)
+        self.sample_mask = batch["sample_mask"].float()
+        self.loss_type = loss_type
+        self.seqs = global_seqs
+        self.toks = global_toks
+
+    def toks_mean(self, values: torch.Tensor) -> torch.Tensor:
+        return (values * self.mask).sum() / self.toks
+
+    def seqs_mean(self, per_token: torch.Tensor) -> torch.Tensor:
+        per_seq = (per_token * self.mask).sum(-1) / self.mask.sum(-1).clamp(min=1)
+        return (per_seq * self.sample_mask).sum() / self.seqs
+
+    def by_loss_type(self, values: torch.Tensor) -> torch.Tensor:
+        return self.toks_mean(values) if self.loss_type == LossType.TOKEN_LEVEL else self.seqs_mean(values)
+
+    def min(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask > 0, values, torch.full_like(values, float("inf"))).min().detach()
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask > 0, values, torch.full_like(values, float("-inf"))).max().detach()
+
+    def counts(self) -> dict[str, torch.Tensor]:
+        return {"num_valid_samples": self.sample_mask.sum(), "num_valid_tokens": self.mask.sum()}
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    reference: torch.Tensor,
+    kind: Literal["k1", "k2", "k3"],
+    input_clamp: float | None = None,
+    output_clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs (Schulman's k1/k2/k3)."""
+    log_ratio = reference - logprobs  # log(pi_ref / pi)
+    if input_clamp is not None:
+        log_ratio = log_ratio.clamp(-input_clamp, input_clamp)
+    if kind == "k1":
+        kl = -log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        kl = log_ratio.exp() - log_ratio - 1
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+class ClippedPGConfig(Config):
+    """Options of the clipped policy-gradient loss (names follow NeMo-RL)."""
+
+    ratio_clip_min: float = Field(0.2, ge=0, description="lower clip: ratio >= 1 - ratio_clip_min")
+    ratio_clip_max: float = Field(0.2, ge=0, description="upper clip: ratio <= 1 + ratio_clip_max")
+    ratio_clip_c: float | None = Field(
+        None, gt=1, description="dual-clip constant c (> 1) for negative advantages"
+    )
+    reference_policy_kl_penalty: float = Field(
+        0.0, ge=0, description="beta of the reference KL term (0 = off)"
+    )
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = Field(
+        20.0, gt=0, description="clamp of log(pi_ref/pi) before the KL"
+    )
+    kl_output_clamp_value: float | None = Field(10.0, gt=0, description="clamp of the per-token KL value")
+    token_level_loss: bool = Field(True, description="token-level mean (True) or per-sequence mean (False)")
+    use_importance_sampling_correction: bool = Field(
+        False, description="weight tokens by pi_prev/pi_gen to correct for generation/trainer mismatch"
+    )
+    truncated_importance_sampling_type: Literal["tis", "icepop"] | None = Field(
+        None,
+        description="tis: cap weights at the max; icepop: zero tokens whose weight is outside [min, max]",
+    )
+    truncated_importance_sampling_ratio: float = Field(2.0, gt=0, description="upper bound of the IS weight")
+    truncated_importance_sampling_ratio_min: float = Field(0.5, ge=0, description="icepop lower bound")
+    disable_ppo_ratio: bool = Field(
+        False, description="plain policy gradient: -A * logprob, no ratio or clip"
+    )
+    force_on_policy_ratio: bool = Field(
+        False, description="ratio = exp(lp - lp.detach()): 1 in value, on-policy grad"
+    )
+
+
+class ClippedPGLoss:
+    """Clipped surrogate policy-gradient loss with optional dual clip, reference KL and IS correction."""
+
+    required_keys = ("advantages", "prev_logprobs", "generation_logprobs", "reference_logprobs")
+    metric_kinds: dict[str, MetricKind] = {
+        "loss": "loss_type",
+        "pg_loss": "loss_type",
+        "kl_penalty": "loss_type",
+        "probs_ratio": "toks",
+        "probs_ratio_min": "min",
+        "probs_ratio_max": "max",
+        "clip_fraction": "toks",
+        "token_mult_prob_error": "toks",
+        "gen_kl_error": "toks",
+        "importance_weight": "toks",
+        "is_oob_fraction": "toks",
+        "num_valid_samples": "none",
+        "num_valid_tokens": "none",
+    }
+
+    def __init__(self, cfg: ClippedPGConfig | None = None, **kwargs) -> None:
+        self.cfg = cfg or ClippedPGConfig(**kwargs)
+        self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+
+    def _importance_weights(self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor):
+        cfg = self.cfg
+        if not cfg.use_importance_sampling_correction:
+            return torch.ones_like(prev), torch.zeros_like(prev)
+        w = (prev - gen).exp().detach()
+        hi, lo = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
+        if cfg.truncated_importance_sampling_type == "tis":
+            oob = (w > hi).float()
+            w = w.clamp(max=hi)
+        elif cfg.truncated_importance_sampling_type == "icepop":
+            oob = ((w > hi) | (w < lo)).float()
+            w = w * (1 - oob)
+        else:
+            oob = torch.zeros_like(w)
+        return w, oob
+
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        cfg = self.cfg
+        red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks)
+        adv = batch["advantages"].float()
+        prev = batch["prev_logprobs"].float()
+        gen = batch["generation_logprobs"].float()
+        if cfg.force_on_policy_ratio:
+            ratio = (logprobs - logprobs.detach()).exp()
+        else:
+            ratio = (logprobs - prev).exp()
+        if cfg.disable_ppo_ratio:
+            pg = -adv * logprobs
+            clipped = torch.zeros_like(pg)
+        else:
+            ratio_c = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+            loss1, loss2 = -adv * ratio, -adv * ratio_c
+            pg = torch.maximum(loss1, loss2)
+            clipped = (loss2 > loss1).float()
+            if cfg.ratio_clip_c is not None:
+                loss3 = -adv * cfg.ratio_clip_c
+                pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
+        weights, oob = self._importance_weights(prev, gen, red.mask)
+        per_token = pg * weights
+        kl = torch.zeros_like(per_token)
+        if cfg.reference_policy_kl_penalty > 0:
+            kl = cfg.reference_policy_kl_penalty * kl_penalty(
+                logprobs,
+                batch["reference_logprobs"].float(),
+                cfg.reference_policy_kl_type,
+                cfg.kl_input_clamp_value,
+                cfg.kl_output_clamp_value,
+            )
+            per_token = per_token + kl * weights
+        loss = red.by_loss_type(per_token)
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach(),
+                "pg_loss": red.by_loss_type(pg * weights),
+                "kl_penalty": red.by_loss_type(kl * weights),
+                "probs_ratio": red.toks_mean(ratio.detach()),
+                "probs_ratio_min": red.min(ratio.detach()),
+                "probs_ratio_max": red.max(ratio.detach()),
+                "clip_fraction": red.toks_mean(clipped),
+                "token_mult_prob_error": red.toks_mean((gen - prev).abs().exp()),
+                "gen_kl_error": red.toks_mean(kl_penalty(prev, gen, "k3")),
+                "importance_weight": red.toks_mean(weights),
+                "is_oob_fraction": red.toks_mean(oob),
+                **red.counts(),
+            }
+        return loss, metrics
+
+
+class NLLLoss:
+    """Negative log-likelihood of the masked tokens (SFT)."""
+
+    required_keys: tuple[str, ...] = ()
+    metric_kinds: dict[str, MetricKind] = {
+        "loss": "loss_type",
+        "num_valid_samples": "none",
+        "num_valid_tokens": "none",
+    }
+
+    def __init__(self, token_level_loss: bool = True) -> None:
+        self.loss_type = LossType.TOKEN_LEVEL if token_level_loss else LossType.SEQUENCE_LEVEL
+
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks)
+        loss = red.by_loss_type(-logprobs)
+        return loss, {"loss": loss.detach(), **red.counts()}
+
+
+class DPOConfig(Config):
+    """Direct preference optimization options."""
+
+    beta: float = Field(0.1, gt=0, description="inverse temperature of the implicit reward")
+    sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on the chosen responses")
+
+
+class DPOLoss:
+    """DPO over rows laid out as (chosen, rejected) pairs: rows 2i and 2i+1 of every micro-batch.
+
+    Sequence-level: the pair loss is summed and divided by the global number of pairs
+    (global_valid_seqs / 2), so pairs must be kept whole by the micro-batching (even sizes).
+    """
+
+    required_keys = ("reference_logprobs",)
+    loss_type = LossType.SEQUENCE_LEVEL
+    metric_kinds: dict[str, MetricKind] = {
+        "loss": "loss_type",
+        "preference_loss": "seqs",
+        "sft_loss": "seqs",
+        "accuracy": "seqs",
+        "reward_margin": "seqs",
+        "num_valid_samples": "none",
+    }
+
+    def __init__(self, cfg: DPOConfig | None = None, **kwargs) -> None:
+        self.cfg = cfg or DPOConfig(**kwargs)
+
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        b = logprobs.shape[0]
+        if b % 2:
+            raise ValueError(f"DPO needs (chosen, rejected) row pairs; got a micro-batch of {b} rows (odd)")
+        mask = token_weights(batch)
+        ref = batch["reference_logprobs"].float()
+        seq_logratio = ((logprobs - ref) * mask).sum(-1)
+        chosen, rejected = seq_logratio[0::2], seq_logratio[1::2]
+        pair_mask = batch["sample_mask"].float()[0::2]
+        margin = self.cfg.beta * (chosen - rejected)
+        pref = -torch.nn.functional.logsigmoid(margin)
+        # a pair counts as 2 sequences in global_valid_seqs, hence the factor 2
+        scale = 2 * pair_mask / global_valid_seqs
+        pref_loss = (pref * scale).sum()
+        nll = -(logprobs * mask).sum(-1)[0::2] / mask[0::2].sum(-1).clamp(min=1)
+        sft_loss = (nll * scale).sum()
+        loss = pref_loss + self.cfg.sft_weight * sft_loss
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach(),
+                "preference_loss": pref_loss.detach(),
+                "sft_loss": sft_loss.detach(),
+                "accuracy": ((margin > 0).float() * scale).sum(),
+                "reward_margin": (margin * scale).sum(),
+                "num_valid_samples": batch["sample_mask"].float().sum(),
+            }
+        return loss, metrics

@@ -1,0 +1,152 @@
+"""Typed configuration: a pydantic base class, YAML loading and dotted command-line overrides.
+
+Every component declares its own config class next to its code (fields documented where they are
+declared) by subclassing `Config`. This module only knows how to load, override and validate them,
+and how to turn a validation failure into a message that names the key, the allowed values and the
+nearest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+C = TypeVar("C", bound="Config")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message says how to fix it."""
+
+
+class Config(BaseModel):
+    """Base of every config: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    ann = field.annotation
+    candidates = typing.get_args(ann) or (ann,)
+    for cand in candidates:
+        if isinstance(cand, type) and issubclass(cand, BaseModel):
+            return cand
+    return None
+
+
+def _walk_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str]:
+    """Return the model class that owns the last string element of `loc`, and that element."""
+    current: type[BaseModel] | None = model
+    keys = [k for k in loc if isinstance(k, str)]
+    for key in keys[:-1]:
+        if current is None:
+            break
+        current = _submodel(current, key)
+    return current, keys[-1] if keys else ""
+
+
+def _allowed_values(model: type[BaseModel] | None, key: str) -> str:
+    if model is None or key not in model.model_fields:
+        return ""
+    ann = model.model_fields[key].annotation
+    args = [a for a in typing.get_args(ann)]
+    lits: list[Any] = []
+    if typing.get_origin(ann) is typing.Literal:
+        lits = args
+    else:
+        for a in args:
+            if typing.get_origin(a) is typing.Literal:
+                lits.extend(typing.get_args(a))
+    if lits:
+        return " Allowed values: " + ", ".join(repr(v) for v in lits) + "."
+    return ""
+
+
+def format_validation_error(model: type[BaseModel], err: ValidationError) -> str:
+    """Turn a pydantic ValidationError into one message per problem, each with the fix."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e.get("loc", ()))
+        dotted = ".".join(str(x) for x in loc)
+        owner, key = _walk_path(model, loc)
+        if e["type"] == "extra_forbidden":
+            valid = _field_names(owner) if owner is not None else []
+            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            prefix = ".".join(str(x) for x in loc[:-1])
+            hint = f" Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
+            lines.append(f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(valid)}.")
+        else:
+            allowed = _allowed_values(owner, key)
+            lines.append(f"bad value for '{dotted}': {e['msg']} (got {e.get('input')!r}).{allowed}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would ('1e-4' -> float, 'true' -> bool, '[1,2]' -> list)."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"override '{item}' has no '=': write it as dotted.key=value, e.g. policy.lr=1e-4"
+            )
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def build_config(cls: type[C], data: dict[str, Any]) -> C:
+    """Validate a nested dict into `cls`, raising ConfigError with fix-it messages."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(cls, err)) from None
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
+    """Load `cls` from an optional YAML file plus dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+        data = loaded
+    apply_overrides(data, overrides or [])
+    return build_config(cls, data)
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML text of a config (used in checkpoints and run directories)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,128 @@
+"""The batch schema of DESIGN.md: a TensorDict with batch_size [B], its validation, counts and DP sharding.
+
+Convention: position t of every per-token tensor refers to token t; logprob tensors hold the logprob
+of token t given tokens < t, and position 0 holds 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+# key -> (dims, allowed dtypes). Dims: "B" or "BT".
+SCHEMA: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
+    "input_ids": ("BT", (torch.long, torch.int32)),
+    "input_lengths": ("B", (torch.long, torch.int32)),
+    "token_mask": ("BT", (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "sample_mask": ("B", (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "advantages": ("BT", (torch.float32, torch.float64)),
+    "generation_logprobs": ("BT", (torch.float32, torch.float64)),
+    "prev_logprobs": ("BT", (torch.float32, torch.float64)),
+    "reference_logprobs": ("BT", (torch.float32, torch.float64)),
+}
+
+BASE_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+
+
+def make_batch(**tensors: torch.Tensor) -> TensorDict:
+    """Build a batch TensorDict from keyword tensors (batch size taken from `input_ids`)."""
+    if "input_ids" not in tensors:
+        raise ValueError("a batch needs 'input_ids' of shape [B, T]")
+    b = tensors["input_ids"].shape[0]
+    return TensorDict(dict(tensors), batch_size=[b])
+
+
+def _expected_shape(dims: str, b: int, t: int) -> tuple[int, ...]:
+    return (b,) if dims == "B" else (b, t)
+
+
+def validate_batch(batch: TensorDict, required: tuple[str, ...] = BASE_KEYS) -> None:
+    """Raise ValueError naming the key, the expected shape/dtype and what was received."""
+    if not isinstance(batch, TensorDict):
+        raise ValueError(f"a batch must be a tensordict.TensorDict, got {type(batch).__name__}")
+    if "input_ids" not in batch.keys():
+        raise ValueError("batch is missing key 'input_ids' (expected shape [B, T], dtype long)")
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"'input_ids' must have shape [B, T], got {tuple(ids.shape)}")
+    b, t = ids.shape
+    if b == 0 or t == 0:
+        raise ValueError(f"batch is empty: 'input_ids' has shape {tuple(ids.shape)}; pass at least one row")
+    for key in required:
+        if key not in batch.keys():
+            dims, dtypes = SCHEMA[key]
+            raise ValueError(
+                f"batch is missing key '{key}' (expected shape {list(_expected_shape(dims, b, t))}, "
+                f"dtype {dtypes[0]})"
+            )
+    for key in batch.keys():
+        if key not in SCHEMA:
+            continue
+        dims, dtypes = SCHEMA[key]
+        value = batch[key]
+        want = _expected_shape(dims, b, t)
+        if tuple(value.shape) != want:
+            what = (
+                "sequence dimension does not match input_ids"
+                if dims == "BT" and value.dim() == 2
+                else "bad shape"
+            )
+            raise ValueError(
+                f"batch key '{key}': {what}; expected shape {list(want)} ([B, T] from input_ids), "
+                f"got {list(value.shape)}"
+            )
+        if value.dtype not in dtypes:
+            raise ValueError(
+                f"batch key '{key}' has dtype {value.dtype}; expected one of {[str(d) for d in dtypes]}"
+            )
+    lengths = batch["input_lengths"] if "input_lengths" in batch.keys() else None
+    if lengths is not None and (lengths.min() < 1 or lengths.max() > t):
+        raise ValueError(
+            f"'input_lengths' must lie in [1, T={t}], got min {int(lengths.min())} max {int(lengths.max())}"
+        )
+
+
+def valid_counts(batch: TensorDict) -> tuple[float, float]:
+    """(valid sequences, valid tokens) of a batch: Σ sample_mask and Σ token_mask[:, 1:] · sample_mask."""
+    sample_mask = batch["sample_mask"].float()
+    seqs = float(sample_mask.sum())
+    toks = float((batch["token_mask"][:, 1:].float() * sample_mask[:, None]).sum())
+    return seqs, toks
+
+
+def shard_batch(batch: TensorDict, num_shards: int) -> list[TensorDict]:
+    """Split a batch into `num_shards` contiguous equal shards (one per DP rank)."""
+    b = batch.batch_size[0]
+    if b % num_shards != 0:
+        raise ValueError(
+            f"batch of {b} samples cannot be split evenly over {num_shards} data-parallel ranks; "
+            f"use a batch size that is a multiple of {num_shards} (pad with sample_mask=0 rows if needed)"
+        )
+    size = b // num_shards
+    return [batch[i * size : (i + 1) * size] for i in range(num_shards)]
+
+
+def trim_to_longest(batch: TensorDict) -> TensorDict:
+    """Drop right padding beyond the longest row (keeps every per-token key aligned)."""
+    t_max = int(batch["input_lengths"].max())
+    t = batch["input_ids"].shape[1]
+    if t_max == t:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        out[key] = value[:, :t_max] if value.dim() >= 2 and value.shape[1] == t else value
+    return TensorDict(out, batch_size=batch.batch_size)
+
+
+def pad_to_length(batch: TensorDict, length: int) -> TensorDict:
+    """Right-pad every per-token key to `length` with zeros."""
+    t = batch["input_ids"].shape[1]
+    if length == t:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if value.dim() >= 2 and value.shape[1] == t:
+            pad = [0, 0] * (value.dim() - 2) + [0, length - t]
+            value = torch.nn.functional.pad(value, pad)
+        out[key] = value
+    return TensorDict(out, batch_size=batch.batch_size)

@@ -1,0 +1,68 @@
+"""The normalization contract shared by losses (algorithms/) and the trainer (policy/).
+
+A loss returns its micro-batch's masked sum divided by the global count of its `loss_type`; each
+metric declares how it is normalized (`MetricKind`). The split train step runs micro-batches with
+placeholder counts of 1 (raw sums) and calls `finalize_metrics` once the true global counts are
+known. See DESIGN.md, "The normalization contract".
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, Protocol
+
+import torch
+from tensordict import TensorDict
+
+MetricKind = Literal["toks", "seqs", "loss_type", "none", "min", "max"]
+
+
+class LossType(str, enum.Enum):
+    TOKEN_LEVEL = "token_level"
+    SEQUENCE_LEVEL = "sequence_level"
+
+
+class LossFn(Protocol):
+    """What the trainer calls per micro-batch: (logprobs [B,T], batch, global seqs, global toks) -> (loss, metrics)."""
+
+    loss_type: LossType
+    metric_kinds: dict[str, MetricKind]
+    required_keys: tuple[str, ...]
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        batch: TensorDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def identity_of(kind: MetricKind) -> float:
+    """The neutral element of a metric's reduction (sum kinds: 0, min: +inf, max: -inf)."""
+    return {"min": float("inf"), "max": float("-inf")}.get(kind, 0.0)
+
+
+def combine(kind: MetricKind, a: float, b: float) -> float:
+    """Accumulate two raw metric values of one kind."""
+    if kind == "min":
+        return min(a, b)
+    if kind == "max":
+        return max(a, b)
+    return a + b
+
+
+def finalize_metrics(
+    raw: dict[str, float], kinds: dict[str, MetricKind], loss_type: LossType, seqs: float, toks: float
+) -> dict[str, float]:
+    """Turn raw (placeholder-normalized, globally reduced) metric sums into their declared means."""
+    loss_n = toks if loss_type == LossType.TOKEN_LEVEL else seqs
+    denom = {"toks": toks, "seqs": seqs, "loss_type": loss_n}
+    out = {}
+    for name, value in raw.items():
+        kind = kinds[name]
+        if kind in denom:
+            out[name] = value / denom[kind] if denom[kind] > 0 else 0.0
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,95 @@
+"""Rank-aware logging and the structured metrics log (JSON lines, optional TensorBoard / W&B)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def get_logger(name: str) -> logging.Logger:
+    """A logger whose records carry the distributed rank (from RANK, default 0)."""
+    logger = logging.getLogger(name)
+    if not logging.getLogger("posttrain").handlers:
+        handler = logging.StreamHandler()
+        rank = os.environ.get("RANK", "0")
+        handler.setFormatter(logging.Formatter(f"[%(asctime)s r{rank} %(name)s %(levelname)s] %(message)s"))
+        root = logging.getLogger("posttrain")
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("POSTTRAIN_LOG_LEVEL", "WARNING"))
+    return logger
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+class MetricsLogger:
+    """Writes one JSON object per `log()` call to `<run_dir>/metrics.jsonl`; mirrors to TB / W&B if enabled."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        run_name: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - depends on optional package
+                raise ValueError("logging.tensorboard=true needs `pip install tensorboard`") from e
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as e:  # pragma: no cover - depends on optional package
+                raise ValueError(
+                    "logging.wandb_project is set but wandb is not installed: pip install wandb"
+                ) from e
+            self._wandb = wandb.init(project=wandb_project, name=run_name, dir=str(self.run_dir))
+
+    def log(self, metrics: dict[str, Any], step: int, prefix: str = "") -> None:
+        flat = {(f"{prefix}/{k}" if prefix else k): _jsonable(v) for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **flat}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl file back (tests and plots use this)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

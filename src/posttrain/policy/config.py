@@ -1,0 +1,101 @@
+"""Configuration of the policy (trainer): model, precision, batching, optimizer, schedule, parallelism."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config import Config
+from posttrain.models.hf import TinyModelConfig
+from posttrain.parallel.cluster import ClusterConfig
+
+
+class ModelConfig(Config):
+    """Which model and tokenizer to train."""
+
+    name: str = Field("tiny", description="HF hub name or local directory; 'tiny' builds a random tiny model")
+    tokenizer: str | None = Field(
+        None, description="tokenizer name/dir; default: same as `name` (char tokenizer for tiny)"
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model")
+    seed: int = Field(0, description="init seed of the tiny model")
+
+
+class MicroBatchConfig(Config):
+    """How a rank's share of a global batch is cut into micro-batches."""
+
+    mode: Literal["fixed", "dynamic", "packed"] = Field(
+        "fixed", description="fixed rows, token budget, or packing"
+    )
+    train_micro_batch_size: int = Field(4, ge=1, description="rows per training micro-batch (mode=fixed)")
+    logprob_micro_batch_size: int = Field(8, ge=1, description="rows per logprob micro-batch (mode=fixed)")
+    max_tokens: int = Field(2048, ge=1, description="token budget per micro-batch (modes dynamic and packed)")
+
+
+class OptimizerConfig(Config):
+    """Any torch optimizer by class path; AdamW by default."""
+
+    name: str = Field("torch.optim.AdamW", description="import path of the optimizer class")
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra constructor arguments (betas, eps, ...)"
+    )
+
+
+class SchedulerStage(Config):
+    """One stage of the learning-rate schedule (stages run one after another, SequentialLR-style)."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    steps: int = Field(0, ge=0, description="length of the stage in optimizer steps (0 = rest of training)")
+    start_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage start")
+    end_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage end")
+    min_factor: float = Field(0.0, ge=0, description="cosine: lr factor at the stage end")
+
+
+class ParallelConfig(Config):
+    """Parallelism applied to the model."""
+
+    fsdp: Literal["auto", "always", "never"] = Field(
+        "auto", description="FSDP2 sharding; auto = when more than one rank (or fsdp_cpu_offload)"
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="FSDP2 CPUOffloadPolicy (params/grads/optimizer on host)"
+    )
+    activation_checkpointing: bool = False
+
+
+class PolicyConfig(Config):
+    """The trainer of one model over one or many ranks."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype; master weights and optimizer state stay fp32"
+    )
+    train_global_batch_size: int = Field(8, ge=1, description="samples per optimizer step, over all DP ranks")
+    microbatch: MicroBatchConfig = Field(default_factory=MicroBatchConfig)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm (None = no clip)")
+    logprob_temperature: float = Field(
+        1.0, gt=0, description="logits are divided by this (the sampling temperature)"
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: list[SchedulerStage] = Field(default_factory=list, description="lr stages; empty = constant")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    init_reference_model: bool = Field(
+        True, description="keep the initial weights on CPU for reference logprobs"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyConfig:
+        if self.cluster.backend == "local" and self.cluster.num_workers != 1:
+            raise ValueError(
+                f"cluster.num_workers={self.cluster.num_workers} needs cluster.backend='ray'; the local backend runs one rank"
+            )
+        if self.train_global_batch_size % self.cluster.num_workers:
+            raise ValueError(
+                f"train_global_batch_size={self.train_global_batch_size} is not divisible by "
+                f"cluster.num_workers={self.cluster.num_workers}; use a multiple of the number of ranks"
+            )
+        return self

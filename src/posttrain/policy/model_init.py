@@ -1,0 +1,68 @@
+"""Building the policy's model on one rank: rank-0 load, FSDP2 sharding, broadcast into the shards."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tiny_config
+from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.parallel import mesh as pmesh
+from posttrain.policy.config import ModelConfig, PolicyConfig
+
+
+def build_tokenizer(cfg: ModelConfig):
+    """The tokenizer of the model (the built-in char tokenizer for `tiny`)."""
+    name = cfg.tokenizer or cfg.name
+    return build_char_tokenizer() if name == "tiny" else load_tokenizer(name)
+
+
+def load_full_model(cfg: ModelConfig, tokenizer):
+    """The full model on the host in fp32 (rank 0 only under FSDP)."""
+    if cfg.name == "tiny":
+        return build_tiny_model(len(tokenizer), seed=cfg.seed, cfg=cfg.tiny)
+    return load_model(cfg.name)
+
+
+def model_config(cfg: ModelConfig, tokenizer):
+    if cfg.name == "tiny":
+        return tiny_config(len(tokenizer), cfg.tiny)
+    return AutoConfig.from_pretrained(cfg.name)
+
+
+def _retie(model) -> None:
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.get_input_embeddings().weight
+
+
+def build_policy_model(
+    cfg: PolicyConfig, tokenizer, device: torch.device, use_fsdp: bool, dtype: torch.dtype
+):
+    """Full model on this device, or FSDP2-sharded with rank 0's weights broadcast into every shard."""
+    if not use_fsdp:
+        model = load_full_model(cfg.model, tokenizer).to(device)
+    else:
+        rank = dist.get_rank()
+        full = load_full_model(cfg.model, tokenizer) if rank == 0 else None
+        config = full.config if full is not None else model_config(cfg.model, tokenizer)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        mesh = pmesh.build_dp_mesh(device)
+        pmesh.apply_fsdp(model, mesh, param_dtype=dtype, cpu_offload=cfg.parallel.fsdp_cpu_offload)
+        model.to_empty(device="cpu" if cfg.parallel.fsdp_cpu_offload else device)
+        _retie(model)
+        full_sd = full.state_dict() if full is not None else {}
+        set_model_state_dict(
+            model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+        full_buffers = dict(full.named_buffers()) if full is not None else {}
+        for name, buf in model.named_buffers():
+            if full is not None:
+                buf.copy_(full_buffers[name])
+            dist.broadcast(buf, src=0)
+        del full
+    if cfg.parallel.activation_checkpointing:
+        pmesh.apply_activation_checkpointing(model)
+    return model

@@ -1,0 +1,60 @@
+"""Optimizer and learning-rate schedule from config."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+
+from posttrain.policy.config import OptimizerConfig, SchedulerStage
+
+
+def import_object(path: str):
+    """Import `package.module.Name`; a clear error names the path when it does not resolve."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"'{path}' is not an import path; write it as package.module.Name")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import '{path}': {e}") from e
+
+
+def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    cls = import_object(cfg.name)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer.name '{cfg.name}' is not a torch.optim.Optimizer subclass")
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **cfg.kwargs}
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "foreach" not in kwargs:
+        kwargs["foreach"] = True
+    return cls(params, **kwargs)
+
+
+def _stage_lambda(stage: SchedulerStage):
+    n = max(stage.steps, 1)
+    if stage.kind == "constant":
+        return lambda step: 1.0
+    if stage.kind == "linear":
+        return lambda step: stage.start_factor + (stage.end_factor - stage.start_factor) * min(step, n) / n
+    return lambda step: (
+        stage.min_factor + (1 - stage.min_factor) * 0.5 * (1 + math.cos(math.pi * min(step, n) / n))
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, stages: list[SchedulerStage]):
+    """SequentialLR over the stages (milestones = cumulative stage lengths); constant when empty."""
+    if not stages:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for s in stages[:-1]:
+        if s.steps == 0:
+            raise ValueError("every scheduler stage but the last needs steps > 0 (its milestone)")
+    scheds = [torch.optim.lr_scheduler.LambdaLR(optimizer, _stage_lambda(s)) for s in stages]
+    if len(scheds) == 1:
+        return scheds[0]
+    milestones = []
+    total = 0
+    for s in stages[:-1]:
+        total += s.steps
+        milestones.append(total)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, scheds, milestones)

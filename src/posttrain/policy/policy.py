@@ -1,0 +1,160 @@
+"""The driver side of the policy: shards batches over data-parallel ranks, calls every rank, gathers.
+
+It tracks the same lifecycle as its workers, so a wrong call raises `PhaseError` on the driver before
+any rank is contacted. Each verb is dispatched to all ranks (that is what keeps their collectives
+matched); results come back from every rank and are merged here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from posttrain.data.batch import shard_batch, validate_batch
+from posttrain.data.normalization import LossFn
+from posttrain.parallel.cluster import WorkerGroup
+from posttrain.policy.config import PolicyConfig
+from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
+from posttrain.policy.worker import PolicyWorker
+
+
+class Policy:
+    """A model trained over `cluster.num_workers` ranks; see the module docstring."""
+
+    def __init__(self, cfg: PolicyConfig, worker_cls: type = PolicyWorker) -> None:
+        self.cfg = cfg
+        self.lifecycle = Lifecycle(Phase.TRAINING)
+        self.world_size = cfg.cluster.num_workers
+        self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
+        self._step_loss: LossFn | None = None
+
+    # ------------------------------------------------------------------ sharding
+
+    def _shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
+        return [(s,) for s in shard_batch(batch, self.world_size)]
+
+    def _train_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
+        """Rank r gets, for every global batch g in order, the r-th slice of g (so DP size never changes
+        which samples form an optimizer step)."""
+        gbs = self.cfg.train_global_batch_size
+        b = batch.batch_size[0]
+        if b % gbs:
+            raise ValueError(
+                f"batch of {b} samples is not a multiple of train_global_batch_size={gbs}; "
+                "send whole global batches (pad with sample_mask=0 rows if needed)"
+            )
+        per_rank: list[list[TensorDict]] = [[] for _ in range(self.world_size)]
+        for start in range(0, b, gbs):
+            for r, s in enumerate(shard_batch(batch[start : start + gbs], self.world_size)):
+                per_rank[r].append(s)
+        return [(torch.cat(parts),) for parts in per_rank]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _transition(self, method: str, phase: Phase) -> None:
+        self.group.run(method)
+        self.lifecycle.phase = phase
+
+    @verb(*ANY_PHASE, transition=True)
+    def prepare_for_training(self) -> None:
+        """All ranks: model and optimizer on the device."""
+        self._transition("prepare_for_training", Phase.TRAINING)
+
+    @verb(*ANY_PHASE, transition=True)
+    def prepare_for_lp_inference(self) -> None:
+        """All ranks: model on the device, optimizer state on the host."""
+        self._transition("prepare_for_lp_inference", Phase.INFERENCE)
+
+    @verb(*ANY_PHASE, transition=True)
+    def offload_before_refit(self) -> None:
+        """All ranks: optimizer state to the host."""
+        phase = Phase.INFERENCE if self.lifecycle.phase == Phase.TRAINING else self.lifecycle.phase
+        self._transition("offload_before_refit", phase)
+
+    @verb(*ANY_PHASE, transition=True)
+    def offload_after_refit(self) -> None:
+        """All ranks: everything to the host."""
+        self._transition("offload_after_refit", Phase.OFFLOADED)
+
+    def get_states(self) -> list[dict[str, Any]]:
+        """Each rank's phase, open-step flag, communicator flag and trainer version."""
+        return self.group.run("get_state")
+
+    # ------------------------------------------------------------------ training
+
+    @verb(*TRAIN_ONLY, collective=True)
+    def train(self, batch: TensorDict, loss_fn: LossFn, eval_mode: bool = False) -> dict[str, float]:
+        """One optimizer step per `train_global_batch_size` samples of `batch`."""
+        validate_batch(batch)
+        return self.group.run("train", loss_fn, eval_mode, per_rank=self._train_shards(batch))[0]
+
+    @verb(*TRAIN_ONLY)
+    def begin_train_step(self, loss_fn: LossFn, eval_mode: bool = False) -> None:
+        """Open a split train step on every rank."""
+        if self.lifecycle.step_open:
+            raise PhaseError(
+                "begin_train_step() called while a train step is already open; "
+                "call finish_train_step() or abort_train_step() first"
+            )
+        self.group.run("begin_train_step", loss_fn, eval_mode)
+        self.lifecycle.step_open = True
+
+    def submit_train_microbatch(self, batch: TensorDict) -> list[Any]:
+        """Start `train_microbatch` on every rank with its shard; returns the Ray refs (or results)."""
+        self.lifecycle.check("train_microbatch", TRAIN_ONLY, collective=True, transition=False, in_step=True)
+        validate_batch(batch)
+        return self.group.submit("train_microbatch", per_rank=self._shards(batch))
+
+    @verb(*TRAIN_ONLY, collective=True, in_step=True)
+    def train_microbatch(self, batch: TensorDict) -> None:
+        """Forward/backward `batch` (sharded over ranks) into the open step's gradients."""
+        self.group.get(self.submit_train_microbatch(batch), "train_microbatch")
+
+    @verb(*TRAIN_ONLY, collective=True, in_step=True)
+    def finish_train_step(self) -> dict[str, float]:
+        """Close the step on every rank: one optimizer step; returns the global metrics."""
+        try:
+            results = self.group.run("finish_train_step")
+        finally:
+            self.lifecycle.step_open = False
+        return results[0]
+
+    @verb(*ANY_PHASE)
+    def abort_train_step(self) -> None:
+        """Drop the open step on every rank (idempotent)."""
+        self.group.run("abort_train_step")
+        self.lifecycle.step_open = False
+
+    # ------------------------------------------------------------------ inference
+
+    def _gather(self, method: str, batch: TensorDict, *args: Any) -> Any:
+        validate_batch(batch, ("input_ids", "input_lengths"))
+        results = self.group.run(method, *args, per_rank=self._shards(batch))
+        if isinstance(results[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*results))
+        return torch.cat(results)
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """[B, T] logprobs of the current weights."""
+        return self._gather("get_logprobs", batch)
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_reference_policy_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """[B, T] logprobs of the initial weights."""
+        return self._gather("get_reference_policy_logprobs", batch)
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, k] values, [B, T, k] token ids) of the top-k logits."""
+        return self._gather("get_topk_logits", batch, k)
+
+    @verb(*ON_DEVICE, collective=True)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on the host (gathered from the shards)."""
+        return self.group.run("full_state_dict")[0]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

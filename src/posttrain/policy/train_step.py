@@ -1,0 +1,119 @@
+"""State of one open split train step: begin -> train_microbatch ... -> finish | abort.
+
+Rule that keeps collectives matched across data-parallel ranks: every rank receives every
+`train_microbatch` call (the driver-side Policy dispatches each call to all ranks with that rank's
+shard). Inside one call, ranks agree on the maximum number of micro-batches (one all-reduce) and a
+rank with fewer pads with dummy micro-batches (all masks zero; loss multiplied by 0), so FSDP's
+per-layer all-gathers and reduce-scatters line up. `finish_train_step` then runs the only other
+collectives of the step: one all-reduce of the counts and metric sums, and the grad-norm reduction.
+
+Micro-batches run the loss with placeholder global counts of 1, so backward deposits raw sums;
+`finish_train_step` divides the gradients by the true global N once and rescales each metric by
+its declared kind (see data/normalization.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.data.normalization import LossFn, LossType, MetricKind, combine, identity_of
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm of a step was not finite; the step was refused, the optimizer untouched."""
+
+
+@dataclass
+class OpenStep:
+    """Accumulators of one open step (all tensors live on the worker's device)."""
+
+    loss_fn: LossFn
+    eval_mode: bool
+    device: torch.device
+    seqs: torch.Tensor = field(init=False)
+    toks: torch.Tensor = field(init=False)
+    nonfinite: torch.Tensor = field(init=False)
+    raw: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_microbatches: int = 0
+
+    def __post_init__(self) -> None:
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.seqs, self.toks, self.nonfinite = zero.clone(), zero.clone(), zero.clone()
+        kinds: dict[str, MetricKind] = self.loss_fn.metric_kinds
+        self.raw = {
+            k: torch.full((), identity_of(kind), dtype=torch.float64, device=self.device)
+            for k, kind in kinds.items()
+        }
+
+    def add(
+        self, seqs: torch.Tensor, toks: torch.Tensor, loss: torch.Tensor, metrics: dict[str, torch.Tensor]
+    ) -> None:
+        """Accumulate one real (non-dummy) micro-batch."""
+        self.seqs += seqs.double()
+        self.toks += toks.double()
+        self.nonfinite += (~torch.isfinite(loss.detach())).double()
+        kinds = self.loss_fn.metric_kinds
+        for name, value in metrics.items():
+            if name not in kinds:
+                raise ValueError(
+                    f"loss {type(self.loss_fn).__name__} returned metric '{name}' that is not declared in its "
+                    "metric_kinds; declare its normalization kind (toks, seqs, loss_type, none, min, max)"
+                )
+            v = value.detach().double().reshape(())
+            kind = kinds[name]
+            if kind == "min":
+                self.raw[name] = torch.minimum(self.raw[name], v)
+            elif kind == "max":
+                self.raw[name] = torch.maximum(self.raw[name], v)
+            else:
+                self.raw[name] = self.raw[name] + v
+        self.num_microbatches += 1
+
+    def packed_for_reduce(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str], list[str]]:
+        """(sum vector [seqs, toks, nonfinite, *sum-metrics], min vector, max vector, and their names)."""
+        kinds = self.loss_fn.metric_kinds
+        names = sorted(kinds)
+        sums = [n for n in names if kinds[n] not in ("min", "max")]
+        mins = [n for n in names if kinds[n] == "min"]
+        maxs = [n for n in names if kinds[n] == "max"]
+
+        def stack(items: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(items) if items else torch.zeros(0, dtype=torch.float64, device=self.device)
+
+        sum_vec = stack([self.seqs, self.toks, self.nonfinite] + [self.raw[n] for n in sums])
+        return (
+            sum_vec,
+            stack([self.raw[n] for n in mins]),
+            stack([self.raw[n] for n in maxs]),
+            sums,
+            mins,
+            maxs,
+        )
+
+
+def merge_step_metrics(results: list[dict[str, float]], kinds: dict[str, MetricKind]) -> dict[str, float]:
+    """Combine the metrics of several optimizer steps: means, except counts (summed) and min/max."""
+    if len(results) == 1:
+        return dict(results[0])
+    out: dict[str, float] = {}
+    for name in results[0]:
+        values = [r[name] for r in results if name in r]
+        kind = kinds.get(name, "loss_type")
+        if kind in ("none", "min", "max"):
+            acc = identity_of(kind)
+            for v in values:
+                acc = combine(kind, acc, v)
+            out[name] = acc
+        else:
+            out[name] = sum(values) / len(values)
+    out["num_optimizer_steps"] = float(len(results))
+    return out
+
+
+def loss_normalizer(loss_type: LossType, seqs: float, toks: float) -> float:
+    """The global N the gradients are divided by."""
+    return toks if loss_type == LossType.TOKEN_LEVEL else seqs

@@ -1,0 +1,377 @@
+"""One rank of the policy: a Hugging Face causal LM under FSDP2 (or plain, on one rank), its optimizer,
+its reference weights, and the verbs RL needs (train, split train step, logprobs, top-k, lifecycle).
+
+The same class serves every layout: it runs in-process (local backend) or inside a Ray actor.
+Verbs declare the phases they accept (policy/lifecycle.py); the split-step rules are in
+policy/train_step.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+
+from posttrain.data.batch import BASE_KEYS, validate_batch
+from posttrain.data.microbatch import MicroBatch, dummy_like, make_microbatches
+from posttrain.data.normalization import LossFn, finalize_metrics
+from posttrain.logging import get_logger
+from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
+from posttrain.parallel import mesh as pmesh
+from posttrain.policy import offload
+from posttrain.policy.config import PolicyConfig
+from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
+from posttrain.policy.model_init import build_policy_model, build_tokenizer
+from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.train_step import NonFiniteLossError, OpenStep, loss_normalizer, merge_step_metrics
+
+log = get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class PolicyWorker:
+    """One rank of the trainer. See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.lifecycle = Lifecycle(Phase.TRAINING)
+        self.trainer_version = 0
+        self._step: OpenStep | None = None
+        self._build_distributed(master_addr, master_port)
+        self.device = pmesh.default_device()
+        self.dtype = DTYPES[cfg.precision]
+        self.tokenizer = build_tokenizer(cfg.model)
+        self.model = build_policy_model(cfg, self.tokenizer, self.device, self.use_fsdp, self.dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
+        self.reference_weights = self._snapshot_weights() if cfg.init_reference_model else None
+        self.model.train()
+
+    def _build_distributed(self, master_addr: str, master_port: int | None) -> None:
+        par = self.cfg.parallel
+        self.use_fsdp = par.fsdp == "always" or (
+            par.fsdp == "auto" and (self.world_size > 1 or par.fsdp_cpu_offload)
+        )
+        if self.world_size > 1:
+            if par.fsdp == "never":
+                raise ValueError(
+                    "parallel.fsdp='never' needs a single rank; use fsdp='auto' for several ranks"
+                )
+            pmesh.init_distributed(self.rank, self.world_size, master_addr, master_port or pmesh.free_port())
+        elif self.use_fsdp:
+            pmesh.ensure_single_process_group()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size > 1 and t.numel() > 0:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def _autocast(self):
+        if self.dtype == torch.float32 or self.use_fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def _cut(self, batch: TensorDict, training: bool) -> list[MicroBatch]:
+        mb = self.cfg.microbatch
+        size = mb.train_micro_batch_size if training else mb.logprob_micro_batch_size
+        return make_microbatches(
+            batch, mb.mode, size=size, max_tokens=mb.max_tokens, pad_id=self.tokenizer.pad_token_id or 0
+        )
+
+    def _matched(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """Pad with dummy micro-batches up to the max count over ranks (see policy/train_step.py)."""
+        if self.world_size == 1:
+            return mbs
+        count = self._all_reduce(torch.tensor([len(mbs)], device=self.device), dist.ReduceOp.MAX)
+        missing = int(count.item()) - len(mbs)
+        return mbs + [dummy_like(mbs[i % len(mbs)]) for i in range(missing)]
+
+    def _snapshot_weights(self) -> dict[str, torch.Tensor]:
+        pin = self.device.type == "cuda"
+        return {
+            n: local_tensor(p).detach().to("cpu", copy=True).pin_memory()
+            if pin
+            else local_tensor(p).detach().to("cpu", copy=True)
+            for n, p in self.model.named_parameters()
+        }
+
+    @contextlib.contextmanager
+    def _swapped_weights(self, weights: dict[str, torch.Tensor]):
+        saved = {}
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                loc = local_tensor(p)
+                saved[n] = loc.detach().clone()
+                loc.copy_(weights[n], non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    local_tensor(p).copy_(saved[n])
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @verb(*ANY_PHASE, transition=True)
+    def prepare_for_training(self) -> None:
+        """Model and optimizer state on the device; training mode."""
+        offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        self.model.train()
+        self.lifecycle.phase = Phase.TRAINING
+
+    @verb(*ANY_PHASE, transition=True)
+    def prepare_for_lp_inference(self) -> None:
+        """Model on the device, optimizer state on the host; eval mode."""
+        offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        self.model.eval()
+        self.lifecycle.phase = Phase.INFERENCE
+
+    @verb(*ANY_PHASE, transition=True)
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host (before weights are sent to the engine)."""
+        offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        offload.release_device_cache(self.device)
+        if self.lifecycle.phase == Phase.TRAINING:
+            self.model.eval()
+            self.lifecycle.phase = Phase.INFERENCE
+
+    @verb(*ANY_PHASE, transition=True)
+    def offload_after_refit(self) -> None:
+        """Model, buffers and optimizer state to the host; device memory released."""
+        offload.move_model(self.model, torch.device("cpu"))
+        offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        offload.release_device_cache(self.device)
+        self.model.eval()
+        self.lifecycle.phase = Phase.OFFLOADED
+
+    @verb(*ANY_PHASE)
+    def get_state(self) -> dict[str, Any]:
+        """Phase, open-step and communicator flags, and the trainer version."""
+        return {**self.lifecycle.snapshot(), "trainer_version": self.trainer_version}
+
+    # ------------------------------------------------------------------ split train step
+
+    @verb(*TRAIN_ONLY)
+    def begin_train_step(self, loss_fn: LossFn, eval_mode: bool = False) -> None:
+        """Open a step: gradients zeroed, accumulators reset. One optimizer step per begin/finish pair."""
+        if self._step is not None:
+            raise PhaseError(
+                "begin_train_step() called while a train step is already open; "
+                "call finish_train_step() or abort_train_step() first"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = OpenStep(loss_fn, eval_mode, self.device)
+        self.lifecycle.step_open = True
+
+    @verb(*TRAIN_ONLY, collective=True, in_step=True)
+    def train_microbatch(self, batch: TensorDict) -> None:
+        """Forward and backward on a batch of any size (cut into micro-batches by config)."""
+        step = self._step
+        assert step is not None
+        validate_batch(batch, BASE_KEYS + tuple(step.loss_fn.required_keys))
+        mbs = self._matched(self._cut(batch, training=True))
+        was_training = self.model.training
+        self.model.train(not step.eval_mode)
+        try:
+            for mb in mbs:
+                self._forward_backward(step, mb.to(self.device))
+        finally:
+            self.model.train(was_training)
+
+    def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
+        one = torch.ones((), device=self.device)
+        grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
+        with grad_ctx, self._autocast():
+            logprobs = microbatch_logprobs(self.model, mb, self.cfg.logprob_temperature)
+        loss, metrics = step.loss_fn(logprobs, mb.data, one, one)
+        if mb.is_dummy:
+            loss = loss * 0.0
+        if not step.eval_mode:
+            loss.backward()
+        if not mb.is_dummy:
+            sample_mask = mb.data["sample_mask"].float()
+            toks = (mb.data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
+            step.add(sample_mask.sum(), toks, loss, metrics)
+
+    @verb(*TRAIN_ONLY, collective=True, in_step=True)
+    def finish_train_step(self) -> dict[str, float]:
+        """Reduce counts and metrics over ranks, scale gradients by 1/N, clip, step optimizer and scheduler."""
+        step = self._step
+        assert step is not None
+        sum_vec, min_vec, max_vec, sums, mins, maxs = step.packed_for_reduce()
+        self._all_reduce(sum_vec)
+        self._all_reduce(min_vec, dist.ReduceOp.MIN)
+        self._all_reduce(max_vec, dist.ReduceOp.MAX)
+        seqs, toks, nonfinite = (float(x) for x in sum_vec[:3].tolist())
+        raw = (
+            dict(zip(sums, sum_vec[3:].tolist()))
+            | dict(zip(mins, min_vec.tolist()))
+            | dict(zip(maxs, max_vec.tolist()))
+        )
+        loss_fn = step.loss_fn
+        metrics = finalize_metrics(raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
+        metrics.update(
+            global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=float(step.num_microbatches)
+        )
+        if nonfinite > 0:
+            self.abort_train_step()
+            raise NonFiniteLossError(
+                f"the loss was not finite on {int(nonfinite)} micro-batch(es); the step was refused and the "
+                "optimizer left untouched. Check the batch (logprobs, advantages) and the learning rate"
+            )
+        n = loss_normalizer(loss_fn.loss_type, seqs, toks)
+        if step.eval_mode or n == 0:
+            self.abort_train_step()
+            metrics["step_skipped"] = float(n == 0 and not step.eval_mode)
+            return metrics
+        metrics.update(self._apply_gradients(n))
+        return metrics
+
+    def _apply_gradients(self, n: float) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for p in params:
+                p.grad.div_(n)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.abort_train_step()
+            raise NonFiniteLossError(
+                f"the gradient norm is {grad_norm}; the step was refused and the optimizer left untouched"
+            )
+        lr = self.optimizer.param_groups[0]["lr"]  # recorded before the scheduler steps
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step = None
+        self.lifecycle.step_open = False
+        self.trainer_version += 1
+        return {"grad_norm": grad_norm, "lr": lr, "trainer_version": float(self.trainer_version)}
+
+    @verb(*ANY_PHASE)
+    def abort_train_step(self) -> None:
+        """Drop the open step (idempotent): gradients cleared; optimizer, scheduler and version untouched."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.use_fsdp:
+            for m in self.model.modules():
+                if hasattr(m, "reshard") and hasattr(m, "unshard"):
+                    m.reshard()
+        self._step = None
+        self.lifecycle.step_open = False
+
+    @verb(*TRAIN_ONLY, collective=True)
+    def train(self, batch: TensorDict, loss_fn: LossFn, eval_mode: bool = False) -> dict[str, float]:
+        """One optimizer step per local global-batch slice of `batch`, each a begin/microbatch/finish."""
+        validate_batch(batch, BASE_KEYS + tuple(loss_fn.required_keys))
+        local_gbs = self.cfg.train_global_batch_size // self.world_size
+        b = batch.batch_size[0]
+        if b % local_gbs:
+            raise ValueError(
+                f"this rank got {b} samples, not a multiple of its share ({local_gbs}) of "
+                f"train_global_batch_size={self.cfg.train_global_batch_size}; send a multiple of the global batch size"
+            )
+        results = []
+        for start in range(0, b, local_gbs):
+            self.begin_train_step(loss_fn, eval_mode)
+            try:
+                self.train_microbatch(batch[start : start + local_gbs])
+                results.append(self.finish_train_step())
+            except BaseException:
+                self.abort_train_step()
+                raise
+        return merge_step_metrics(results, loss_fn.metric_kinds)
+
+    # ------------------------------------------------------------------ inference verbs
+
+    def _infer(self, batch: TensorDict, fn) -> list[tuple[MicroBatch, Any]]:
+        validate_batch(batch, ("input_ids", "input_lengths"))
+        if "token_mask" not in batch.keys():
+            batch = batch.clone(False)
+            batch["token_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.float32)
+            batch["sample_mask"] = torch.ones(batch.batch_size[0])
+        mbs = self._matched(self._cut(batch, training=False))
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        try:
+            with torch.no_grad(), self._autocast():
+                for mb in mbs:
+                    res = fn(mb.to(self.device))
+                    if not mb.is_dummy:
+                        out.append((mb, res))
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _scatter(self, batch: TensorDict, parts: list[tuple[MicroBatch, torch.Tensor]]) -> torch.Tensor:
+        b, t = batch["input_ids"].shape
+        first = parts[0][1]
+        out = torch.zeros((b, t, *first.shape[2:]), dtype=first.dtype)
+        for mb, values in parts:
+            tt = values.shape[1]
+            out[mb.indices, :tt] = values.cpu()
+        return out
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """[B, T] logprobs of each token given the previous ones (position 0 and padding: 0)."""
+        temp = self.cfg.logprob_temperature
+        return self._scatter(
+            batch, self._infer(batch, lambda mb: microbatch_logprobs(self.model, mb, temp).float())
+        )
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_reference_policy_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """Logprobs under the initial weights (kept on the host, swapped in for this call)."""
+        if self.reference_weights is None:
+            raise ValueError("reference logprobs need policy.init_reference_model=true")
+        with self._swapped_weights(self.reference_weights):
+            return self.get_logprobs(batch)
+
+    @verb(*ON_DEVICE, collective=True)
+    def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k logits and token ids [B, T, k] of the distribution over each token (position 0: zeros)."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        temp = self.cfg.logprob_temperature
+        parts = self._infer(batch, lambda mb: microbatch_topk(self.model, mb, k, temp))
+        values = self._scatter(batch, [(mb, v.float()) for mb, (v, _) in parts])
+        ids = self._scatter(batch, [(mb, i) for mb, (_, i) in parts])
+        return values, ids
+
+    # ------------------------------------------------------------------ weights
+
+    @verb(*ON_DEVICE, collective=True)
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) parameters and persistent buffers on the host (collective under FSDP)."""
+        out = {}
+        for name, p in self.model.state_dict().items():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[name] = full.detach().to("cpu", copy=True)
+        return out
