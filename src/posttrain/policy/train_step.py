@@ -74,7 +74,7 @@ class OpenStep:
     def packed_for_reduce(
         self,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str], list[str]]:
-        """(sum vector [seqs, toks, nonfinite, *sum-metrics], min vector, max vector, and their names)."""
+        """(sum vector [seqs, toks, nonfinite, microbatches, *sum-metrics], min vector, max vector, and their names)."""
         kinds = self.loss_fn.metric_kinds
         names = sorted(kinds)
         sums = [n for n in names if kinds[n] not in ("min", "max")]
@@ -84,7 +84,8 @@ class OpenStep:
         def stack(items: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack(items) if items else torch.zeros(0, dtype=torch.float64, device=self.device)
 
-        sum_vec = stack([self.seqs, self.toks, self.nonfinite] + [self.raw[n] for n in sums])
+        n_mb = torch.tensor(float(self.num_microbatches), dtype=torch.float64, device=self.device)
+        sum_vec = stack([self.seqs, self.toks, self.nonfinite, n_mb] + [self.raw[n] for n in sums])
         return (
             sum_vec,
             stack([self.raw[n] for n in mins]),

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
+from posttrain import checkpoint
+from posttrain.config import dump_config
 from posttrain.data.batch import BASE_KEYS, validate_batch
 from posttrain.data.microbatch import MicroBatch, dummy_like, make_microbatches
 from posttrain.data.normalization import LossFn, finalize_metrics
@@ -225,16 +227,16 @@ class PolicyWorker:
         self._all_reduce(sum_vec)
         self._all_reduce(min_vec, dist.ReduceOp.MIN)
         self._all_reduce(max_vec, dist.ReduceOp.MAX)
-        seqs, toks, nonfinite = (float(x) for x in sum_vec[:3].tolist())
+        seqs, toks, nonfinite, n_mb = (float(x) for x in sum_vec[:4].tolist())
         raw = (
-            dict(zip(sums, sum_vec[3:].tolist()))
+            dict(zip(sums, sum_vec[4:].tolist()))
             | dict(zip(mins, min_vec.tolist()))
             | dict(zip(maxs, max_vec.tolist()))
         )
         loss_fn = step.loss_fn
         metrics = finalize_metrics(raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
         metrics.update(
-            global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=float(step.num_microbatches)
+            global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=n_mb
         )
         if nonfinite > 0:
             self.abort_train_step()

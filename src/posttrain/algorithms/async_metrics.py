@@ -1,0 +1,96 @@
+"""Time and count accounting of the asynchronous GRPO loop: idle fractions, staleness histogram, throughput.
+
+The controller calls `StepMeter.begin_window()` when a step starts and `StepMeter.step_metrics(...)`
+when it ends; everything is measured over that window with the event loop's clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+GROUP_COUNTERS = ("admitted", "dropped_stale", "retried", "failed", "filtered", "finished")
+OTHER_COUNTERS = ("generated_samples", "weight_pushes")
+COUNTERS = GROUP_COUNTERS + OTHER_COUNTERS
+
+
+class BusyMeter:
+    """Cumulative busy time of one resource (busy while at least one job runs)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._busy = 0.0
+        self._since = 0.0
+        self._depth = 0
+
+    def start(self) -> None:
+        if self._depth == 0:
+            self._since = self._clock()
+        self._depth += 1
+
+    def stop(self) -> None:
+        assert self._depth > 0, "BusyMeter.stop() without start()"
+        self._depth -= 1
+        if self._depth == 0:
+            self._busy += self._clock() - self._since
+
+    def total(self) -> float:
+        extra = self._clock() - self._since if self._depth else 0.0
+        return self._busy + extra
+
+
+class StepMeter:
+    """Per-step and cumulative counters plus the windows needed for idle fractions and rates."""
+
+    def __init__(self, clock: Callable[[], float], max_staleness: int) -> None:
+        self.clock = clock
+        self.max_staleness = max_staleness
+        self.totals: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self.trainer_idle = BusyMeter(clock)
+        self._window_start = clock()
+        self._window_totals: Counter[str] = Counter()
+        self._window_idle = 0.0
+        self._window_gen: tuple[float, float] = (0.0, 0.0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        assert name in COUNTERS, name
+        self.totals[name] += n
+
+    def begin_window(self, gen_busy: float, gen_alive: float) -> None:
+        self._window_start = self.clock()
+        self._window_totals = Counter(self.totals)
+        self._window_idle = self.trainer_idle.total()
+        self._window_gen = (gen_busy, gen_alive)
+
+    def step_metrics(
+        self, lags: list[int], samples: int, gen_busy: float, gen_alive: float
+    ) -> dict[str, float]:
+        """Metrics of the window that ends now (`lags`: one per trained group, `samples`: trained samples)."""
+        elapsed = max(self.clock() - self._window_start, 1e-9)
+        delta = {k: self.totals[k] - self._window_totals.get(k, 0) for k in COUNTERS}
+        busy = gen_busy - self._window_gen[0]
+        alive = gen_alive - self._window_gen[1]
+        hist = Counter(lags)
+        out: dict[str, float] = {
+            "step_time_s": elapsed,
+            "samples_per_s": samples / elapsed,
+            "generated_samples_per_s": delta["generated_samples"] / elapsed,
+            "trainer_idle_fraction": min(1.0, (self.trainer_idle.total() - self._window_idle) / elapsed),
+            "generation_idle_fraction": 1.0 - busy / alive if alive > 0 else 1.0,
+            "staleness/mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness/max": float(max(lags)) if lags else 0.0,
+        }
+        for lag in range(self.max_staleness + 1):
+            out[f"staleness/lag_{lag}"] = float(hist.get(lag, 0))
+        for k in COUNTERS:
+            out[f"groups_{k}" if k in GROUP_COUNTERS else k] = float(delta[k])
+            out[f"total/{k}"] = float(self.totals[k])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.totals = Counter({k: 0 for k in COUNTERS})
+        self.totals.update({k: int(v) for k, v in state["totals"].items() if k in COUNTERS})

@@ -1,0 +1,517 @@
+"""Sharded, reshardable, atomic checkpoints of a training state, and export to a Hugging Face directory.
+
+A checkpoint holds the model, the optimizer, the scheduler, every rank's RNG states, the reference
+weights and a JSON `extra_state` that the training loops fill with their own state (data position,
+controller, buffers). Tensors go through torch.distributed.checkpoint (DCP) in safetensors files, one
+per rank, with the shard offsets in the file header: a checkpoint saved on N ranks loads on M ranks,
+FSDP2 or plain. Nothing is unpickled on load: tensors are safetensors, everything else is JSON.
+
+Layout of a checkpoint directory::
+
+    metadata.json           format version, model fingerprint, trainer version, world size;
+                            written last, so its presence marks a complete checkpoint
+    train_state.json        scheduler state and optimizer hyperparameters (JSON, not pickle)
+    extra_state.json        the training loop's state
+    config.yaml             the posttrain config it was saved with (for people; not read back)
+    state/                  DCP shards: model.*, optim.*, reference.*
+    rng/rank-<r>.safetensors
+    hf/                     model config and tokenizer files, used by `export_hf`
+
+Departures from plain DCP: writes are atomic (every rank writes into `<dir>.tmp-<id>`, rank 0 renames
+it into place once all ranks succeeded; a failure anywhere removes the temporary directory and leaves
+the previous checkpoint intact), and a checkpoint of another model or of an incompatible config is
+refused with a message listing what differs. The directory must be on a filesystem all ranks see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from posttrain.logging import get_logger
+
+log = get_logger(__name__)
+
+FORMAT = "posttrain-checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+HF_FILES_DIR = "hf"
+
+
+@dataclass
+class TrainState:
+    """The objects a checkpoint saves and restores in place (plain or FSDP2-sharded)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: dict[str, torch.Tensor] | None = None
+    """This rank's local shards of the reference weights, keyed like `model.named_parameters()`."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What `load_checkpoint` read besides the tensors it restored in place."""
+
+    trainer_version: int
+    world_size: int
+    extra_state: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _on_all_ranks(fn: Callable[[], None]) -> None:
+    """Run `fn` on every rank; if it raised on any rank, raise on every rank (no rank is left waiting)."""
+    error: BaseException | None = None
+    try:
+        fn()
+    except Exception as e:
+        error = e
+    if _distributed():
+        errors: list[str | None] = [None] * _world_size()
+        dist.all_gather_object(errors, None if error is None else f"rank {_rank()}: {error!r}")
+        failed = [e for e in errors if e is not None]
+        if failed and error is None:
+            raise RuntimeError("checkpoint I/O failed on another rank: " + "; ".join(failed))
+    if error is not None:
+        raise error
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _to_json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, indent=1)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{what} must be JSON-serializable (dicts, lists, strings, numbers, bools, None): {e}. "
+            "Convert tensors with .tolist() and other objects to plain values first"
+        ) from e
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _shared_tmp_dir(final: Path) -> Path:
+    """`<final>.tmp-<id>` next to the target (same filesystem, so the final rename is atomic)."""
+    token = [uuid.uuid4().hex[:12]]
+    if _distributed():
+        dist.broadcast_object_list(token, src=0)
+    return final.with_name(f"{final.name}.tmp-{token[0]}")
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Move `tmp` into place; an existing checkpoint is renamed aside first and deleted last."""
+    old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- fingerprint
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """What identifies a model's architecture: its HF model type and its parameter names and global shapes."""
+    config = getattr(model, "config", None)
+    return {
+        "model_type": getattr(config, "model_type", type(model).__name__),
+        "params": {n: list(p.shape) for n, p in model.named_parameters()},
+    }
+
+
+def _differences(saved: Any, current: Any, where: str) -> list[str]:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current)):
+            sub = f"{where}.{key}" if where else str(key)
+            if key not in current:
+                out.append(f"{sub}: only in the checkpoint")
+            elif key not in saved:
+                out.append(f"{sub}: only in the current setup")
+            else:
+                out.extend(_differences(saved[key], current[key], sub))
+        return out
+    return [] if saved == current else [f"{where}: checkpoint {saved!r}, current {current!r}"]
+
+
+def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: Path) -> None:
+    """Raise ValueError listing every difference between a checkpoint's fingerprint and the current one."""
+    diffs = _differences(meta["fingerprint"], fingerprint, "")
+    if diffs:
+        shown = "\n  ".join(diffs[:10]) + (f"\n  ... and {len(diffs) - 10} more" if len(diffs) > 10 else "")
+        raise ValueError(
+            f"checkpoint '{path}' does not match this model/config:\n  {shown}\n"
+            f"Load it with the config it was saved with (see {path / 'config.yaml'}) or start a new run"
+        )
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a complete checkpoint; a clear error for a missing, partial or foreign directory."""
+    root = Path(path)
+    if not (root / METADATA_FILE).is_file():
+        aside = sorted(root.parent.glob(f"{root.name}.old-*")) if root.parent.is_dir() else []
+        hint = (
+            f" A save was interrupted while replacing it: rename '{aside[-1]}' back to '{root}'."
+            if aside and not root.exists()
+            else " Pass a directory written by save_checkpoint (it contains metadata.json)."
+        )
+        raise ValueError(f"'{root}' is not a complete posttrain checkpoint.{hint}")
+    meta = _read_json(root / METADATA_FILE)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"'{root}' has checkpoint format {meta.get('format')!r} version {meta.get('format_version')!r}; "
+            f"this posttrain reads {FORMAT!r} version {FORMAT_VERSION}. Use the posttrain version that wrote it"
+        )
+    return meta
+
+
+# ---------------------------------------------------------------------- tensors
+
+
+def _global_reference(state: TrainState) -> dict[str, torch.Tensor]:
+    """The reference shards as tensors with the same sharding as the model's parameters (DTensors under FSDP)."""
+    assert state.reference is not None
+    out = {}
+    for name, p in state.model.named_parameters():
+        local = state.reference[name]
+        if isinstance(p, DTensor):
+            local = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        out[f"reference.{name}"] = local
+    return out
+
+
+def _optimizer_tensors(optim_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        f"optim.{fqn}.{key}": value
+        for fqn, per_param in optim_sd["state"].items()
+        for key, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    if len(groups) != len(saved):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this one {len(groups)}; "
+            "use the optimizer config the checkpoint was saved with"
+        )
+    for group, values in zip(groups, saved):
+        for k, v in values.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+# ---------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    version, mt, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {
+        "torch_cpu": torch.get_rng_state(),
+        "python_mt": torch.tensor(mt, dtype=torch.int64),
+        "numpy_mt": torch.from_numpy(np_keys.astype(np.int64)),
+    }
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    scalars = {
+        "python_version": version,
+        "python_gauss": gauss,
+        "numpy_kind": np_kind,
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+    }
+    return tensors, scalars
+
+
+def _save_rng(directory: Path, rank: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, scalars = _rng_state()
+    save_file(tensors, str(directory / f"rank-{rank}.safetensors"), metadata={"scalars": json.dumps(scalars)})
+
+
+def _load_rng(directory: Path, rank: int) -> None:
+    path = directory / f"rank-{rank}.safetensors"
+    if not path.is_file():
+        log.warning("no RNG state for rank %d in %s (saved on fewer ranks); keeping this rank's RNG", rank, path)
+        return
+    with safe_open(str(path), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        s = json.loads(f.metadata()["scalars"])
+    torch.set_rng_state(t["torch_cpu"])
+    random.setstate((s["python_version"], tuple(t["python_mt"].tolist()), s["python_gauss"]))
+    np.random.set_state(
+        (s["numpy_kind"], t["numpy_mt"].numpy().astype(np.uint32), s["numpy_pos"], s["numpy_has_gauss"], s["numpy_gauss"])
+    )
+    cuda = [t[f"torch_cuda_{i}"] for i in range(len(t)) if f"torch_cuda_{i}" in t]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------------- save
+
+
+def _sharded_state(state: TrainState) -> dict[str, torch.Tensor]:
+    """Flat DCP state dict: model.*, optim.* (only once the optimizer has state), reference.*."""
+    flat = {f"model.{k}": v for k, v in get_model_state_dict(state.model).items()}
+    if state.optimizer.state:  # reading an empty optimizer's state would initialize it (one zero step)
+        flat |= _optimizer_tensors(get_optimizer_state_dict(state.model, state.optimizer))
+    if state.reference is not None:
+        flat |= _global_reference(state)
+    return flat
+
+
+def _write_rank0_files(
+    root: Path, state: TrainState, extra_json: str, tokenizer: Any, config_yaml: str | None
+) -> None:
+    train_state = {
+        "scheduler": state.scheduler.state_dict(),
+        "optimizer_param_groups": _hyperparameters(state.optimizer),
+        "optimizer_has_state": bool(state.optimizer.state),
+    }
+    _write_text(root / "train_state.json", _to_json(train_state, "the scheduler/optimizer state"))
+    _write_text(root / "extra_state.json", extra_json)
+    if config_yaml is not None:
+        _write_text(root / "config.yaml", config_yaml)
+    hf_dir = root / HF_FILES_DIR
+    config = getattr(state.model, "config", None)
+    if config is not None:
+        config.save_pretrained(hf_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(hf_dir)
+
+
+def _metadata(state: TrainState, trainer_version: int, identity: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "trainer_version": trainer_version,
+        "world_size": _world_size(),
+        "has_reference": state.reference is not None,
+        "torch_version": torch.__version__,
+        "fingerprint": {"model": model_fingerprint(state.model), "config": identity},
+    }
+
+
+def save_checkpoint(
+    path: str | Path,
+    state: TrainState,
+    *,
+    trainer_version: int,
+    identity: dict[str, Any] | None = None,
+    extra_state: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    config_yaml: str | None = None,
+) -> Path:
+    """Write `state` to `path` atomically (collective: every rank calls it with the same arguments).
+
+    `identity` holds the config pieces a resume must match (checked on load with the model fingerprint);
+    `extra_state` is any JSON-serializable dict, given back by `load_checkpoint`.
+    """
+    final = Path(path).absolute()
+    extra_json = _to_json(extra_state or {}, "extra_state")
+    meta_json = _to_json(_metadata(state, trainer_version, identity or {}), "identity")
+    rank = _rank()
+    tmp = _shared_tmp_dir(final)
+    try:
+        dcp.save(
+            _sharded_state(state),
+            storage_writer=HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True),
+            no_dist=not _distributed(),
+        )
+        _on_all_ranks(lambda: _save_rng(tmp / "rng", rank))
+        _on_all_ranks(
+            lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
+        )
+        _on_all_ranks(lambda: _finish(tmp, final, meta_json) if rank == 0 else None)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("saved checkpoint %s (trainer version %d)", final, trainer_version)
+    return final
+
+
+def _finish(tmp: Path, final: Path, meta_json: str) -> None:
+    _write_text(tmp / METADATA_FILE, meta_json)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _commit(tmp, final)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def _load_targets(state: TrainState, has_optimizer: bool, has_reference: bool):
+    """Tensors to load into, with the current sharding (reference: fresh DTensors copied back after)."""
+    model_sd = get_model_state_dict(state.model)
+    optim_sd = get_optimizer_state_dict(state.model, state.optimizer) if has_optimizer else None
+    flat = {f"model.{k}": v for k, v in model_sd.items()}
+    if optim_sd is not None:
+        flat |= _optimizer_tensors(optim_sd)
+    reference = _global_reference(state) if has_reference and state.reference is not None else {}
+    return flat | reference, model_sd, optim_sd, reference
+
+
+def _restore_reference(state: TrainState, loaded: dict[str, torch.Tensor]) -> None:
+    assert state.reference is not None
+    with torch.no_grad():
+        for key, value in loaded.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            state.reference[key.removeprefix("reference.")].copy_(local)
+
+
+def load_checkpoint(
+    path: str | Path, state: TrainState, *, identity: dict[str, Any] | None = None
+) -> CheckpointInfo:
+    """Restore `state` in place from `path` (collective), after checking the checkpoint matches it."""
+    root = Path(path).absolute()
+    meta = read_metadata(root)
+    check_compatible(meta, {"model": model_fingerprint(state.model), "config": identity or {}}, root)
+    if state.reference is not None and not meta["has_reference"]:
+        raise ValueError(
+            f"checkpoint '{root}' has no reference weights but this policy keeps one; "
+            "set policy.init_reference_model=false to load it"
+        )
+    train_state = _read_json(root / "train_state.json")
+    has_optimizer = train_state["optimizer_has_state"]
+    flat, model_sd, optim_sd, reference = _load_targets(state, has_optimizer, meta["has_reference"])
+    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=not _distributed())
+    set_model_state_dict(state.model, model_sd)
+    if optim_sd is not None:
+        _apply_hyperparameters(optim_sd["param_groups"], train_state["optimizer_param_groups"])
+        set_optimizer_state_dict(state.model, state.optimizer, optim_sd)
+    else:
+        state.optimizer.state.clear()
+        _apply_hyperparameters(state.optimizer.param_groups, train_state["optimizer_param_groups"])
+    if reference:
+        _restore_reference(state, reference)
+    state.scheduler.load_state_dict(train_state["scheduler"])
+    _load_rng(root / "rng", _rank())
+    _barrier()
+    if meta["world_size"] != _world_size():
+        log.info("resharded checkpoint %s from %d to %d ranks", root, meta["world_size"], _world_size())
+    return CheckpointInfo(
+        trainer_version=meta["trainer_version"],
+        world_size=meta["world_size"],
+        extra_state=_read_json(root / "extra_state.json"),
+    )
+
+
+# ---------------------------------------------------------------------- export
+
+
+def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a checkpoint, read on this process alone."""
+    reader = HuggingFaceStorageReader(str(root / "state"))
+    shapes = reader.read_metadata().state_dict_metadata
+    full = {
+        k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in shapes.items() if k.startswith("model.")
+    }
+    dcp.load(full, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=True)
+    return {k.removeprefix("model."): v for k, v in full.items()}
+
+
+def _consolidated_model(root: Path, dtype: torch.dtype | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(_full_model_state(root), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
+        )
+    if tied:
+        model.tie_weights()
+    return model.to(dtype) if dtype is not None else model
+
+
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Consolidate a checkpoint's model into a Hugging Face directory (safetensors + config + tokenizer).
+
+    Runs on one process without a process group, whatever the number of ranks that saved it; the
+    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights stay fp32 unless `dtype`.
+    """
+    root = Path(checkpoint_dir).absolute()
+    out = Path(out_dir).absolute()
+    read_metadata(root)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"export directory '{out}' exists and is not empty; pass a new directory or delete it")
+    model = _consolidated_model(root, dtype)
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in (root / HF_FILES_DIR).iterdir():
+            if f.is_file() and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s to %s", root, out)
+    return out

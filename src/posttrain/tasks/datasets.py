@@ -1,0 +1,412 @@
+"""Prompt datasets: load rows from local files, check them, format and tokenize prompts, and serve them in a
+deterministic, resumable order.
+
+Sources are a `.jsonl` file (one JSON object per line), a `.json` file holding a list of objects, a
+`.parquet` file (needs `pyarrow`), or a directory written by `datasets.Dataset.save_to_disk` (needs
+`datasets`). Every row is checked up front, and a bad row is a `ValueError` that names its index and field,
+not a crash twenty minutes into a run. Prompts are wrapped in the tokenizer's chat template when it has one
+(configurable), else in a plain template string. Prompts longer than `max_prompt_tokens` are dropped and
+counted in the log, or refused, by config.
+
+`PromptDataset` hands out prompts epoch by epoch in a seeded permutation; its `state_dict()` is the
+(epoch, position) a checkpoint needs to continue exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from posttrain.config import Config
+from posttrain.logging import get_logger
+
+logger = get_logger(__name__)
+
+PROMPT_PLACEHOLDER = "{prompt}"
+
+
+class PromptFormatConfig(Config):
+    """How a task's raw prompt text becomes the token ids the policy sees."""
+
+    template: str = Field(
+        PROMPT_PLACEHOLDER,
+        description="Text around the raw prompt; '{prompt}' is replaced by it (other braces are kept as "
+        "they are, so LaTeX like \\boxed{} needs no escaping). With a chat template this is the user message.",
+    )
+    system_prompt: str | None = Field(None, description="System message, used only with a chat template.")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="auto: use the tokenizer's chat template when it has one. always: require one. "
+        "never: use the plain template only.",
+    )
+    prepend_bos: bool = Field(
+        True, description="Start every prompt with the tokenizer's BOS token (if it has one and it is not there)."
+    )
+    max_prompt_tokens: int = Field(512, ge=1, description="Longest prompt, in tokens, that fits the context.")
+    overlong_prompts: Literal["drop", "error"] = Field(
+        "drop",
+        description="drop: leave out prompts longer than max_prompt_tokens and log how many. error: refuse to "
+        "build the dataset.",
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _has_placeholder(cls, value: str) -> str:
+        if PROMPT_PLACEHOLDER not in value:
+            raise ValueError(f"the template must contain {PROMPT_PLACEHOLDER!r}, e.g. 'Q: {{prompt}}\\nA:'")
+        return value
+
+
+class DatasetConfig(Config):
+    """Where a dataset task's prompts come from and which fields they use."""
+
+    train_path: str = Field(
+        description="A .jsonl, .json or .parquet file, or a directory saved by datasets.save_to_disk."
+    )
+    eval_path: str | None = Field(None, description="Held-out prompts (same formats); see also eval_fraction.")
+    train_split: str | None = Field(None, description="Split to use when train_path holds a DatasetDict.")
+    eval_split: str | None = Field(None, description="Split to use when eval_path holds a DatasetDict.")
+    eval_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Without eval_path: hold out this fraction of the training rows (chosen by the seed).",
+    )
+    prompt_field: str = Field("problem", description="Field holding the prompt (problem) text.")
+    answer_field: str | None = Field(
+        "answer", description="Field holding the gold answer, passed to the reward as metadata['answer']."
+    )
+    metadata_fields: list[str] = Field(
+        default_factory=list, description="Further fields copied into each prompt's metadata for the reward."
+    )
+    max_rows: int | None = Field(None, ge=1, description="Use only the first max_rows rows of each source.")
+
+
+@dataclass(frozen=True)
+class SourcePrompt:
+    """A raw prompt before formatting: a stable id (row index), its text and metadata for the reward."""
+
+    prompt_id: int
+    text: str
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt as the training loop sees it.
+
+    `prompt_id` is stable within its dataset (the source row index), `prompt` is the formatted text,
+    `prompt_token_ids` its tokens, and `metadata` what the reward function gets for it (the gold answer
+    under 'answer', the raw prompt under 'problem').
+    """
+
+    prompt_id: int
+    prompt: str
+    prompt_token_ids: list[int]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _require(module: str, purpose: str) -> Any:
+    """Import an optional dependency, or say which package to install for `purpose`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = module.split(".")[0]
+        raise ValueError(f"{purpose} needs the '{package}' package: pip install {package}") from exc
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{path}: row {len(rows)} (line {line_no}) is not valid JSON ({exc.msg}); each line must "
+                    "hold one JSON object"
+                ) from exc
+    return rows
+
+
+def _read_json(path: Path) -> list[Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg}); use a list of objects or .jsonl") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"{path} must hold a JSON list of objects, got {type(data).__name__}")
+    return data
+
+
+def _read_parquet(path: Path) -> list[Any]:
+    pq = _require("pyarrow.parquet", "reading .parquet files")
+    return pq.read_table(path).to_pylist()
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> list[Any]:
+    hf = _require("datasets", "reading a save_to_disk directory")
+    ds = hf.load_from_disk(str(path))
+    if isinstance(ds, hf.DatasetDict):
+        if split is None or split not in ds:
+            raise ValueError(
+                f"{path} holds the splits {sorted(ds)}; choose one with the train_split / eval_split setting "
+                f"(got {split!r})"
+            )
+        ds = ds[split]
+    return ds.to_list()
+
+
+def load_rows(path: str | Path, split: str | None = None) -> list[Any]:
+    """Read all rows of a local .jsonl / .json / .parquet file or a `save_to_disk` directory."""
+    p = Path(path)
+    if p.is_dir():
+        if not any((p / name).exists() for name in ("dataset_dict.json", "state.json", "dataset_info.json")):
+            raise ValueError(f"directory {p} is not a dataset saved by datasets.save_to_disk")
+        return _read_saved_dataset(p, split)
+    if not p.is_file():
+        raise ValueError(f"dataset path {p} does not exist")
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    reader = readers.get(p.suffix.lower())
+    if reader is None:
+        raise ValueError(f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory")
+    return reader(p)
+
+
+def _field(row: Mapping[str, Any], index: int, name: str, source: str) -> Any:
+    if name not in row:
+        raise ValueError(
+            f"{source}: row {index} has no field '{name}' (it has: {', '.join(map(str, row)) or 'none'}); "
+            "fix the row or set the dataset's field names to the right columns"
+        )
+    value = row[name]
+    if value is None or isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{source}: row {index} field '{name}' is null")
+    return value
+
+
+def _text_field(row: Mapping[str, Any], index: int, name: str, source: str, numbers_ok: bool) -> str:
+    value = _field(row, index, name, source)
+    allowed = (str, int, float) if numbers_ok else (str,)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        kinds = "a string or a number" if numbers_ok else "a string"
+        raise ValueError(f"{source}: row {index} field '{name}' must be {kinds}, got {type(value).__name__}")
+    text = str(value)
+    if not text.strip():
+        raise ValueError(f"{source}: row {index} field '{name}' is empty")
+    return text
+
+
+def rows_to_prompts(rows: Sequence[Any], cfg: DatasetConfig, source: str) -> list[SourcePrompt]:
+    """Check every row and turn it into a SourcePrompt whose id is the row index."""
+    out = []
+    for index, row in enumerate(rows[: cfg.max_rows] if cfg.max_rows else rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{source}: row {index} is a {type(row).__name__}, not an object with fields")
+        text = _text_field(row, index, cfg.prompt_field, source, numbers_ok=False)
+        metadata: dict[str, Any] = {"problem": text}
+        if cfg.answer_field is not None:
+            metadata["answer"] = _text_field(row, index, cfg.answer_field, source, numbers_ok=True)
+        for name in cfg.metadata_fields:
+            metadata[name] = _field(row, index, name, source)
+        out.append(SourcePrompt(prompt_id=index, text=text, metadata=metadata))
+    if not out:
+        raise ValueError(f"{source} has no rows")
+    return out
+
+
+def _uses_chat_template(tokenizer: Any, fmt: PromptFormatConfig) -> bool:
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if fmt.chat_template == "always" and not has_template:
+        raise ValueError(
+            "chat_template=always but the tokenizer has no chat_template; set chat_template to auto or never"
+        )
+    return has_template and fmt.chat_template != "never"
+
+
+def format_prompt(text: str, tokenizer: Any, fmt: PromptFormatConfig, use_chat: bool) -> str:
+    """The prompt text the model sees: the template around `text`, inside the chat template if used."""
+    user = fmt.template.replace(PROMPT_PLACEHOLDER, text)
+    if not use_chat:
+        return user
+    messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
+    messages.append({"role": "user", "content": user})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_prompts(texts: list[str], tokenizer: Any, fmt: PromptFormatConfig, use_chat: bool) -> list[list[int]]:
+    """Token ids per prompt. Chat-templated text already holds its special tokens, so none are added."""
+    if not texts:
+        return []
+    ids = [list(x) for x in tokenizer(texts, add_special_tokens=not use_chat)["input_ids"]]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if fmt.prepend_bos and bos is not None:
+        ids = [x if x[:1] == [bos] else [bos, *x] for x in ids]
+    return ids
+
+
+def _drop_overlong(items: list[PromptItem], fmt: PromptFormatConfig, name: str) -> list[PromptItem]:
+    limit = fmt.max_prompt_tokens
+    over = [it for it in items if len(it.prompt_token_ids) > limit]
+    if not over:
+        return items
+    longest = max(len(it.prompt_token_ids) for it in over)
+    ids = ", ".join(str(it.prompt_id) for it in over[:10]) + (", ..." if len(over) > 10 else "")
+    if fmt.overlong_prompts == "error":
+        raise ValueError(
+            f"{len(over)} of {len(items)} {name} prompts are longer than max_prompt_tokens={limit} (longest "
+            f"{longest} tokens; rows {ids}). Raise max_prompt_tokens to at least {longest} or set "
+            "overlong_prompts=drop."
+        )
+    logger.warning(
+        "dropped %d of %d %s prompts longer than max_prompt_tokens=%d (longest %d tokens; rows %s)",
+        len(over), len(items), name, limit, longest, ids,
+    )  # fmt: skip
+    kept = [it for it in items if len(it.prompt_token_ids) <= limit]
+    if not kept:
+        raise ValueError(f"every {name} prompt is longer than max_prompt_tokens={limit}; raise it to {longest}")
+    return kept
+
+
+def build_prompt_dataset(
+    sources: list[SourcePrompt],
+    tokenizer: Any,
+    fmt: PromptFormatConfig,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    name: str = "train",
+) -> PromptDataset:
+    """Format, tokenize and length-filter `sources` into a PromptDataset."""
+    use_chat = _uses_chat_template(tokenizer, fmt)
+    texts = [format_prompt(s.text, tokenizer, fmt, use_chat) for s in sources]
+    token_ids = tokenize_prompts(texts, tokenizer, fmt, use_chat)
+    items = [
+        PromptItem(prompt_id=s.prompt_id, prompt=t, prompt_token_ids=ids, metadata=s.metadata)
+        for s, t, ids in zip(sources, texts, token_ids)
+    ]
+    kept = _drop_overlong(items, fmt, name)
+    return PromptDataset(kept, seed=seed, shuffle=shuffle, num_dropped=len(items) - len(kept), name=name)
+
+
+def split_holdout(sources: list[SourcePrompt], fraction: float, seed: int) -> tuple[list[SourcePrompt], list[SourcePrompt]]:
+    """Split into (train, held-out) by a seeded permutation; the two never share a prompt."""
+    if fraction <= 0:
+        return sources, []
+    k = max(1, round(len(sources) * fraction))
+    if k >= len(sources):
+        raise ValueError(f"eval_fraction={fraction} leaves no training prompts out of {len(sources)}; lower it")
+    order = np.random.default_rng(seed).permutation(len(sources))
+    held = set(order[:k].tolist())
+    train = [s for i, s in enumerate(sources) if i not in held]
+    return train, [s for i, s in enumerate(sources) if i in held]
+
+
+class PromptDataset:
+    """Prompts served in a seeded per-epoch order from a resumable (epoch, position) cursor.
+
+    `next_batch(n)` returns the next n prompts, crossing into the next epoch (and its new permutation) when
+    one runs out. Iterating or indexing reads the prompts in their stored order and does not move the cursor.
+    """
+
+    def __init__(
+        self,
+        items: list[PromptItem],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_dropped: int = 0,
+        name: str = "train",
+    ) -> None:
+        if not items:
+            raise ValueError(f"the {name} dataset is empty")
+        ids = [it.prompt_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"the {name} dataset has duplicate prompt_ids; each prompt needs its own id")
+        self.items = list(items)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_dropped = num_dropped
+        self.name = name
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        return iter(self.items)
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            n = len(self.items)
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = rng.permutation(n).tolist() if self.shuffle else list(range(n))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self, n: int) -> list[PromptItem]:
+        """The next `n` prompts in this epoch's order, moving on to the next epoch when needed."""
+        if n < 1:
+            raise ValueError(f"batch size must be at least 1, got {n}")
+        out = []
+        while len(out) < n:
+            order = self._epoch_order()
+            take = order[self.position : self.position + n - len(out)]
+            out.extend(self.items[i] for i in take)
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of the prompt ids and texts, to check a checkpoint belongs to this dataset."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for it in self.items:
+                h.update(f"{it.prompt_id}\x00{it.prompt}\x01".encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor, plus what identifies the dataset: save this with a checkpoint."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_items": len(self.items),
+            "fingerprint": self.fingerprint(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
+        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_items": len(self.items)}
+        expected["fingerprint"] = self.fingerprint()
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
+                    f"this dataset has {key}={value!r}; resume with the same dataset and task config"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.items):
+            raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
+        self.epoch, self.position = epoch, position

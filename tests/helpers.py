@@ -1,0 +1,24 @@
+"""Small helpers shared by tests (importable as `helpers`)."""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.policy.config import PolicyConfig
+
+
+def policy_cfg(**overrides) -> PolicyConfig:
+    """A tiny fp32 policy config; nested overrides as dicts."""
+    base = {"train_global_batch_size": 8, "optimizer": {"lr": 1e-2}, "max_grad_norm": 1.0}
+    base.update(overrides)
+    return PolicyConfig.model_validate(base)
+
+
+def params_of(policy) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in policy.full_state_dict().items()}
+
+
+def assert_params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,0 +1,39 @@
+"""Config loading: YAML + dotted overrides, errors that name the key, allowed values and nearest key."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.config import ConfigError, load_config
+from posttrain.policy.config import PolicyConfig
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: 1.0e-3\nmicrobatch:\n  mode: packed\n")
+    cfg = load_config(PolicyConfig, path, ["optimizer.lr=1e-4", "max_grad_norm=0.5", "microbatch.max_tokens=512"])
+    assert cfg.optimizer.lr == 1e-4
+    assert cfg.max_grad_norm == 0.5
+    assert cfg.microbatch.mode == "packed" and cfg.microbatch.max_tokens == 512
+
+
+def test_unknown_key_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.lrr'. Did you mean 'optimizer.lr'\?"):
+        load_config(PolicyConfig, None, ["optimizer.lrr=1"])
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"microbatch.mode.*Allowed values: 'fixed', 'dynamic', 'packed'"):
+        load_config(PolicyConfig, None, ["microbatch.mode=pack"])
+
+
+def test_bad_number_is_named():
+    with pytest.raises(ConfigError, match=r"bad value for 'optimizer.lr'.*greater than 0"):
+        load_config(PolicyConfig, None, ["optimizer.lr=-1"])
+
+
+def test_override_without_equals_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no '='"):
+        load_config(PolicyConfig, None, ["optimizer.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(PolicyConfig, tmp_path / "nope.yaml")

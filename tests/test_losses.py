@@ -1,0 +1,158 @@
+"""Each loss variant against a hand-written formula, and the metric normalization kinds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_batch
+
+from posttrain.algorithms.losses import ClippedPGLoss, DPOLoss, LossType, NLLLoss, kl_penalty
+from posttrain.data.normalization import finalize_metrics
+
+
+def setup():
+    batch = random_batch(6, 10, rl=True, masked=(2,))
+    g = torch.Generator().manual_seed(1)
+    lp = batch["prev_logprobs"] + 0.3 * torch.randn(6, 10, generator=g)
+    mask = batch["token_mask"] * batch["sample_mask"][:, None]
+    mask[:, 0] = 0
+    return batch, lp, mask
+
+
+def call(loss, lp, batch):
+    seqs = batch["sample_mask"].sum()
+    toks = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum()
+    return loss(lp, batch, seqs, toks)
+
+
+def test_clipped_pg_token_level_formula():
+    batch, lp, mask = setup()
+    loss, metrics = call(ClippedPGLoss(ratio_clip_min=0.1, ratio_clip_max=0.3), lp, batch)
+    ratio = (lp - batch["prev_logprobs"]).exp()
+    adv = batch["advantages"]
+    per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.9, 1.3))
+    expected = (per_tok * mask).sum() / mask.sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    assert float(metrics["num_valid_samples"]) == 5
+    assert float(metrics["probs_ratio_max"]) == pytest.approx(float(ratio[mask > 0].max()), rel=1e-6)
+
+
+def test_clipped_pg_sequence_level_formula():
+    batch, lp, mask = setup()
+    loss, _ = call(ClippedPGLoss(token_level_loss=False), lp, batch)
+    ratio = (lp - batch["prev_logprobs"]).exp()
+    adv = batch["advantages"]
+    per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    per_seq = (per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    expected = (per_seq * batch["sample_mask"]).sum() / batch["sample_mask"].sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    batch, lp, mask = setup()
+    batch["advantages"] = -torch.ones_like(batch["advantages"])
+    big = batch["prev_logprobs"] + 3.0  # ratio e^3 ~ 20
+    loss_plain, _ = call(ClippedPGLoss(), big, batch)
+    loss_dual, _ = call(ClippedPGLoss(ratio_clip_c=3.0), big, batch)
+    assert float(loss_plain) == pytest.approx(math.exp(3.0), rel=1e-5)
+    assert float(loss_dual) == pytest.approx(3.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_and_clamps(kind):
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    d = ref - lp
+    expected = {"k1": -d, "k2": 0.5 * d**2, "k3": d.exp() - d - 1}[kind]
+    torch.testing.assert_close(kl_penalty(lp, ref, kind), expected)
+    clamped = kl_penalty(lp, ref, kind, input_clamp=0.2, output_clamp=0.01)
+    assert clamped.abs().max() <= 0.01 + 1e-7
+
+
+def test_reference_kl_term_added():
+    batch, lp, mask = setup()
+    base, _ = call(ClippedPGLoss(), lp, batch)
+    with_kl, metrics = call(ClippedPGLoss(reference_policy_kl_penalty=0.5, kl_input_clamp_value=None), lp, batch)
+    kl = kl_penalty(lp, batch["reference_logprobs"], "k3", None, 10.0)
+    expected = float(base) + 0.5 * float((kl * mask).sum() / mask.sum())
+    assert float(with_kl) == pytest.approx(expected, rel=1e-5)
+    assert float(metrics["kl_penalty"]) == pytest.approx(expected - float(base), rel=1e-5)
+
+
+@pytest.mark.parametrize("tis", [None, "tis", "icepop"])
+def test_importance_sampling_correction(tis):
+    batch, lp, mask = setup()
+    batch["generation_logprobs"] = batch["prev_logprobs"] - torch.linspace(-1.5, 1.5, 10)  # weights e^-1.5..e^1.5
+    loss_fn = ClippedPGLoss(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type=tis,
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=0.5,
+    )
+    loss, metrics = call(loss_fn, lp, batch)
+    w = (batch["prev_logprobs"] - batch["generation_logprobs"]).exp()
+    if tis == "tis":
+        w = w.clamp(max=2.0)
+    elif tis == "icepop":
+        w = w * ((w <= 2.0) & (w >= 0.5)).float()
+    ratio = (lp - batch["prev_logprobs"]).exp()
+    adv = batch["advantages"]
+    per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * w
+    assert float(loss) == pytest.approx(float((per_tok * mask).sum() / mask.sum()), rel=1e-5)
+    if tis is not None:
+        assert float(metrics["is_oob_fraction"]) > 0
+
+
+def test_disable_ppo_ratio_and_force_on_policy():
+    batch, lp, mask = setup()
+    lp = lp.clone().requires_grad_(True)
+    loss, _ = call(ClippedPGLoss(disable_ppo_ratio=True), lp, batch)
+    expected = (-batch["advantages"] * lp * mask).sum() / mask.sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    loss_on, _ = call(ClippedPGLoss(force_on_policy_ratio=True), lp, batch)
+    (grad,) = torch.autograd.grad(loss_on, lp)
+    # ratio is 1 in value, its gradient is d lp: the on-policy policy gradient -A / N
+    torch.testing.assert_close(grad, -batch["advantages"] * mask / mask.sum())
+    assert float(loss_on) == pytest.approx(float((-batch["advantages"] * mask).sum() / mask.sum()), rel=1e-6)
+
+
+def test_nll_token_and_sequence_level():
+    batch, lp, mask = setup()
+    loss, _ = call(NLLLoss(), lp, batch)
+    assert float(loss) == pytest.approx(float((-lp * mask).sum() / mask.sum()), rel=1e-6)
+    loss_s, _ = call(NLLLoss(token_level_loss=False), lp, batch)
+    per_seq = (-lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    assert float(loss_s) == pytest.approx(float((per_seq * batch["sample_mask"]).sum() / 5), rel=1e-6)
+
+
+def test_dpo_prefers_chosen():
+    batch, lp, mask = setup()
+    batch["sample_mask"] = torch.ones(6)
+    loss_fn = DPOLoss(beta=0.5)
+    loss, metrics = call(loss_fn, lp, batch)
+    m = token_mask = batch["token_mask"].clone()
+    token_mask[:, 0] = 0
+    r = ((lp - batch["reference_logprobs"]) * m).sum(-1)
+    margin = 0.5 * (r[0::2] - r[1::2])
+    expected = -torch.nn.functional.logsigmoid(margin).mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(metrics["accuracy"]) == pytest.approx(float((margin > 0).float().mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="pairs"):
+        call(loss_fn, lp[:5], batch[:5])
+
+
+def test_metric_kinds_rescale_placeholder_sums():
+    """Placeholder counts of 1 then finalize == calling with the true counts."""
+    batch, lp, mask = setup()
+    for loss_fn in (ClippedPGLoss(token_level_loss=False), ClippedPGLoss(), NLLLoss()):
+        _, true = call(loss_fn, lp, batch)
+        one = torch.ones(())
+        _, raw = loss_fn(lp, batch, one, one)
+        seqs, toks = float(batch["sample_mask"].sum()), float(mask.sum())
+        final = finalize_metrics({k: float(v) for k, v in raw.items()}, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
+        for k, v in true.items():
+            assert final[k] == pytest.approx(float(v), rel=1e-6), k
+        assert final["num_valid_samples"] == 5  # raw counts are not divided
+    assert ClippedPGLoss(token_level_loss=False).loss_type == LossType.SEQUENCE_LEVEL
