@@ -30,7 +30,9 @@ import os
 import random
 import shutil
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -69,6 +72,16 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: dict[str, torch.Tensor] | None = None
     """This rank's local shards of the reference weights, keyed like `model.named_parameters()`."""
+
+
+class CheckpointError(RuntimeError):
+    """Saving or loading a checkpoint failed; the message says on which rank and why."""
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {exc!r}" for r, (exc, _) in e.failures.items())
+    return repr(e)
 
 
 @dataclass
@@ -112,6 +125,14 @@ def _on_all_ranks(fn: Callable[[], None]) -> None:
         raise error
 
 
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns on every single-process (no_dist) call; that is the intended use here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
@@ -152,10 +173,17 @@ def _shared_tmp_dir(final: Path) -> Path:
 def _commit(tmp: Path, final: Path) -> None:
     """Move `tmp` into place; an existing checkpoint is renamed aside first and deleted last."""
     old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-    if final.exists():
+    replacing = final.exists()
+    if replacing:
         os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if replacing:
+            os.replace(old, final)
+        raise
+    if replacing:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- fingerprint
@@ -220,6 +248,22 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- tensors
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names under which a parameter appears a second time (tied embeddings); they are stored once."""
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.add(name)
+        first.setdefault(id(p), name)
+    return aliases
+
+
+def _model_tensors(model: torch.nn.Module, model_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    skip = tied_aliases(model)
+    return {f"model.{k}": v for k, v in model_sd.items() if k not in skip}
 
 
 def _global_reference(state: TrainState) -> dict[str, torch.Tensor]:
@@ -294,15 +338,23 @@ def _save_rng(directory: Path, rank: int) -> None:
 def _load_rng(directory: Path, rank: int) -> None:
     path = directory / f"rank-{rank}.safetensors"
     if not path.is_file():
-        log.warning("no RNG state for rank %d in %s (saved on fewer ranks); keeping this rank's RNG", rank, path)
+        log.warning(
+            "no RNG state for rank %d in %s (saved on fewer ranks); keeping this rank's RNG", rank, path
+        )
         return
     with safe_open(str(path), framework="pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        t = {k: f.get_tensor(k) for k in f.keys()}
         s = json.loads(f.metadata()["scalars"])
     torch.set_rng_state(t["torch_cpu"])
     random.setstate((s["python_version"], tuple(t["python_mt"].tolist()), s["python_gauss"]))
     np.random.set_state(
-        (s["numpy_kind"], t["numpy_mt"].numpy().astype(np.uint32), s["numpy_pos"], s["numpy_has_gauss"], s["numpy_gauss"])
+        (
+            s["numpy_kind"],
+            t["numpy_mt"].numpy().astype(np.uint32),
+            s["numpy_pos"],
+            s["numpy_has_gauss"],
+            s["numpy_gauss"],
+        )
     )
     cuda = [t[f"torch_cuda_{i}"] for i in range(len(t)) if f"torch_cuda_{i}" in t]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
@@ -314,7 +366,7 @@ def _load_rng(directory: Path, rank: int) -> None:
 
 def _sharded_state(state: TrainState) -> dict[str, torch.Tensor]:
     """Flat DCP state dict: model.*, optim.* (only once the optimizer has state), reference.*."""
-    flat = {f"model.{k}": v for k, v in get_model_state_dict(state.model).items()}
+    flat = _model_tensors(state.model, get_model_state_dict(state.model))
     if state.optimizer.state:  # reading an empty optimizer's state would initialize it (one zero step)
         flat |= _optimizer_tensors(get_optimizer_state_dict(state.model, state.optimizer))
     if state.reference is not None:
@@ -372,25 +424,40 @@ def save_checkpoint(
     final = Path(path).absolute()
     extra_json = _to_json(extra_state or {}, "extra_state")
     meta_json = _to_json(_metadata(state, trainer_version, identity or {}), "identity")
-    rank = _rank()
     tmp = _shared_tmp_dir(final)
     try:
-        dcp.save(
-            _sharded_state(state),
-            storage_writer=HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True),
-            no_dist=not _distributed(),
-        )
-        _on_all_ranks(lambda: _save_rng(tmp / "rng", rank))
-        _on_all_ranks(
-            lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
-        )
-        _on_all_ranks(lambda: _finish(tmp, final, meta_json) if rank == 0 else None)
-    except BaseException:
-        if rank == 0:
+        _write_checkpoint(tmp, final, state, extra_json, meta_json, tokenizer, config_yaml)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"saving checkpoint '{final}' failed ({_describe(e)}); nothing was replaced: "
+            "the previous checkpoint there, if any, is intact"
+        ) from e
+    finally:
+        if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("saved checkpoint %s (trainer version %d)", final, trainer_version)
     return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    final: Path,
+    state: TrainState,
+    extra_json: str,
+    meta_json: str,
+    tokenizer: Any,
+    config_yaml: str | None,
+) -> None:
+    """Every rank writes its shards and RNG into `tmp`; rank 0 adds the JSON files and commits."""
+    rank = _rank()
+    writer = HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True)
+    with _single_process_ok():
+        dcp.save(_sharded_state(state), storage_writer=writer, no_dist=not _distributed())
+    _on_all_ranks(lambda: _save_rng(tmp / "rng", rank))
+    _on_all_ranks(
+        lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
+    )
+    _on_all_ranks(lambda: _finish(tmp, final, meta_json) if rank == 0 else None)
 
 
 def _finish(tmp: Path, final: Path, meta_json: str) -> None:
@@ -402,11 +469,19 @@ def _finish(tmp: Path, final: Path, meta_json: str) -> None:
 # ---------------------------------------------------------------------- load
 
 
+def _dcp_load(targets: dict[str, torch.Tensor], root: Path, no_dist: bool) -> None:
+    try:
+        with _single_process_ok():
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=no_dist)
+    except CheckpointException as e:
+        raise CheckpointError(f"reading the tensors of checkpoint '{root}' failed: {_describe(e)}") from e
+
+
 def _load_targets(state: TrainState, has_optimizer: bool, has_reference: bool):
     """Tensors to load into, with the current sharding (reference: fresh DTensors copied back after)."""
     model_sd = get_model_state_dict(state.model)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer) if has_optimizer else None
-    flat = {f"model.{k}": v for k, v in model_sd.items()}
+    flat = _model_tensors(state.model, model_sd)
     if optim_sd is not None:
         flat |= _optimizer_tensors(optim_sd)
     reference = _global_reference(state) if has_reference and state.reference is not None else {}
@@ -436,7 +511,7 @@ def load_checkpoint(
     train_state = _read_json(root / "train_state.json")
     has_optimizer = train_state["optimizer_has_state"]
     flat, model_sd, optim_sd, reference = _load_targets(state, has_optimizer, meta["has_reference"])
-    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=not _distributed())
+    _dcp_load(flat, root, no_dist=not _distributed())
     set_model_state_dict(state.model, model_sd)
     if optim_sd is not None:
         _apply_hyperparameters(optim_sd["param_groups"], train_state["optimizer_param_groups"])
@@ -466,9 +541,11 @@ def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
     reader = HuggingFaceStorageReader(str(root / "state"))
     shapes = reader.read_metadata().state_dict_metadata
     full = {
-        k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in shapes.items() if k.startswith("model.")
+        k: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in shapes.items()
+        if k.startswith("model.")
     }
-    dcp.load(full, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=True)
+    _dcp_load(full, root, no_dist=True)
     return {k.removeprefix("model."): v for k, v in full.items()}
 
 
@@ -477,15 +554,13 @@ def _consolidated_model(root: Path, dtype: torch.dtype | None):
 
     config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = tied_aliases(model)
     missing, unexpected = model.load_state_dict(_full_model_state(root), strict=False)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ValueError(
             f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
         )
-    if tied:
-        model.tie_weights()
     return model.to(dtype) if dtype is not None else model
 
 
@@ -499,7 +574,9 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtyp
     out = Path(out_dir).absolute()
     read_metadata(root)
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"export directory '{out}' exists and is not empty; pass a new directory or delete it")
+        raise ValueError(
+            f"export directory '{out}' exists and is not empty; pass a new directory or delete it"
+        )
     model = _consolidated_model(root, dtype)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:

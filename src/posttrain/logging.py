@@ -93,3 +93,36 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Read a metrics.jsonl file back (tests and plots use this)."""
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class StepProgress:
+    """A rich progress bar over training steps showing a few named metrics (no-op when disabled)."""
+
+    def __init__(self, total: int, description: str, fields: tuple[str, ...], enabled: bool = True) -> None:
+        self.fields = fields
+        self._progress = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(description, total=total, info="")
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        parts = []
+        for f in self.fields:
+            if isinstance(metrics.get(f), (int, float)):
+                parts.append(f"{f.split('/')[-1]}={metrics[f]:.3g}")
+        self._progress.update(self._task, completed=step, info=" ".join(parts))
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -111,7 +111,7 @@ class GroupState(str, enum.Enum):
 
 
 _ALLOWED: dict[GroupState | None, set[GroupState]] = {
-    None: {GroupState.PENDING, GroupState.IN_FLIGHT},
+    None: {GroupState.PENDING, GroupState.IN_FLIGHT, GroupState.BUFFERED},  # BUFFERED: restored
     GroupState.PENDING: {GroupState.IN_FLIGHT},
     GroupState.IN_FLIGHT: {
         GroupState.BUFFERED,

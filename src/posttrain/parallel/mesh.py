@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
@@ -49,8 +49,14 @@ def ensure_single_process_group() -> None:
 
 
 def build_dp_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D data-parallel mesh over all ranks of the default group."""
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    """A 1-D data-parallel mesh over all ranks, on its own process group rather than the default one.
+
+    parallel/comms.py can then destroy and recreate the mesh's communicators while the default group
+    stays up as the rendezvous (destroying the default group would destroy every group).
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = dist.new_group(list(range(dist.get_world_size())), backend=backend, group_desc="dp")
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -86,6 +86,11 @@ class PolicyConfig(Config):
     init_reference_model: bool = Field(
         True, description="keep the initial weights on CPU for reference logprobs"
     )
+    free_comms_during_generation: bool = Field(
+        False,
+        description="colocated loop: teardown_comms() after offload, rebuild_comms() before the next "
+        "logprob or training call (frees communicator memory while the engine generates)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

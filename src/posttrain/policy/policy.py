@@ -7,6 +7,7 @@ matched); results come back from every rank and are merged here.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -156,5 +157,48 @@ class Policy:
         """Full weights on the host (gathered from the shards)."""
         return self.group.run("full_state_dict")[0]
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _check_no_open_step(self, verb_name: str) -> None:
+        if self.lifecycle.step_open:
+            raise PhaseError(
+                f"{verb_name}() called while a split train step is open; "
+                "call finish_train_step() or abort_train_step() first"
+            )
+
+    @verb(*ANY_PHASE, collective=True)
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        """All ranks write one sharded checkpoint to `path` (a directory every rank can reach), atomically."""
+        self._check_no_open_step("save_checkpoint")
+        self.group.run("save_checkpoint", str(Path(path).absolute()), extra_state)
+
+    @verb(*ON_DEVICE, collective=True)
+    def load_checkpoint(self, path: str) -> dict:
+        """All ranks restore a checkpoint saved on any number of ranks; returns its extra_state."""
+        self._check_no_open_step("load_checkpoint")
+        return self.group.run("load_checkpoint", str(Path(path).absolute()))[0]
+
+    @verb(*ON_DEVICE, collective=True)
+    def save_hf(self, out_dir: str) -> None:
+        """Write the current weights as a Hugging Face directory loadable by from_pretrained."""
+        self.group.run("save_hf", out_dir)
+
     def shutdown(self) -> None:
         self.group.shutdown()
+
+    # ------------------------------------------------------------------ communicators
+
+    @verb(*ANY_PHASE, transition=True)
+    def teardown_comms(self) -> list[dict[str, Any]]:
+        """All ranks: destroy the device communicators (idempotent); each rank's stats. Until
+        `rebuild_comms()`, verbs that need a collective raise PhaseError here, before any rank is called."""
+        self.lifecycle.comms_up = False  # set first: a failure may leave some ranks torn down
+        return self.group.run("teardown_comms")
+
+    @verb(*ANY_PHASE)
+    def rebuild_comms(self) -> list[dict[str, Any]]:
+        """All ranks: recreate the communicators and re-bind them to the model (idempotent); each rank's
+        stats."""
+        stats = self.group.run("rebuild_comms")
+        self.lifecycle.comms_up = True
+        return stats

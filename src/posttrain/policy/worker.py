@@ -23,6 +23,7 @@ from posttrain.data.batch import BASE_KEYS, validate_batch
 from posttrain.data.microbatch import MicroBatch, dummy_like, make_microbatches
 from posttrain.data.normalization import LossFn, finalize_metrics
 from posttrain.logging import get_logger
+from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
 from posttrain.parallel import mesh as pmesh
 from posttrain.policy import offload
@@ -377,3 +378,86 @@ class PolicyWorker:
             full = p.full_tensor() if isinstance(p, DTensor) else p
             out[name] = full.detach().to("cpu", copy=True)
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_state(self, verb_name: str) -> checkpoint.TrainState:
+        if self._step is not None:
+            raise PhaseError(
+                f"{verb_name}() called while a split train step is open; "
+                "call finish_train_step() or abort_train_step() first"
+            )
+        return checkpoint.TrainState(self.model, self.optimizer, self.scheduler, self.reference_weights)
+
+    def _checkpoint_identity(self) -> dict[str, Any]:
+        """The config pieces a resumed run must share with the run that saved the checkpoint."""
+        m = self.cfg.model
+        return {
+            "model.name": m.name,
+            "model.tokenizer": m.tokenizer,
+            "model.tiny": m.tiny.model_dump(mode="json") if m.name == "tiny" else None,
+            "optimizer.name": self.cfg.optimizer.name,
+            "init_reference_model": self.cfg.init_reference_model,
+        }
+
+    @verb(*ANY_PHASE, collective=True)
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        """Model, optimizer, scheduler, RNG and reference weights to `path`, sharded and atomic (checkpoint.py)."""
+        checkpoint.save_checkpoint(
+            path,
+            self._checkpoint_state("save_checkpoint"),
+            trainer_version=self.trainer_version,
+            identity=self._checkpoint_identity(),
+            extra_state=extra_state,
+            tokenizer=self.tokenizer,
+            config_yaml=dump_config(self.cfg),
+        )
+
+    @verb(*ON_DEVICE, collective=True)
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state."""
+        info = checkpoint.load_checkpoint(
+            path, self._checkpoint_state("load_checkpoint"), identity=self._checkpoint_identity()
+        )
+        self.trainer_version = info.trainer_version
+        if self.lifecycle.phase == Phase.INFERENCE:  # loading put the optimizer state next to the params
+            offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        return info.extra_state
+
+    # ------------------------------------------------------------------ communicators
+
+    @verb(*ANY_PHASE, transition=True)
+    def teardown_comms(self) -> dict[str, Any]:
+        """Destroy this rank's device process groups (idempotent; parallel/comms.py). Until
+        `rebuild_comms()`, verbs that need a collective raise PhaseError. Returns groups_destroyed, seconds
+        and, on a GPU, device bytes used before/after. A failure names the group; call again to retry."""
+        from posttrain.parallel import comms
+
+        snap = getattr(self, "_comms_snapshot", None)
+        if snap is None:
+            snap = comms.collect_groups(self.model if self.use_fsdp else None, device_type=self.device.type)
+            self._comms_snapshot = snap
+        self.lifecycle.comms_up = False
+        return comms.teardown(snap)
+
+    @verb(*ANY_PHASE)
+    def rebuild_comms(self) -> dict[str, Any]:
+        """Recreate the groups `teardown_comms()` destroyed and re-bind them to the model's sharding state
+        (idempotent; collective: call on every rank). Returns groups_created, seconds and device bytes."""
+        from posttrain.parallel import comms
+
+        snap = getattr(self, "_comms_snapshot", None)
+        if snap is None:
+            self.lifecycle.comms_up = True
+            return {"groups_created": 0, "groups_destroyed": 0, "seconds": 0.0}
+        _, stats = comms.rebuild(snap)
+        self._comms_snapshot = None
+        self.lifecycle.comms_up = True
+        return stats
+
+    @verb(*ON_DEVICE, collective=True)
+    def save_hf(self, out_dir: str) -> None:
+        """Write a Hugging Face directory (safetensors, config, tokenizer) from rank 0."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            save_hf(self.model, self.tokenizer, out_dir, state_dict=state)

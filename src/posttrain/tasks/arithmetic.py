@@ -36,11 +36,15 @@ class ArithmeticTaskConfig(TaskConfigBase):
     min_operand: int = Field(0, ge=0, le=99, description="Smallest operand.")
     max_operand: int = Field(9, ge=0, le=99, description="Largest operand (9: single digit, 99: two digits).")
     allow_negative: bool = Field(False, description="Allow subtractions with a negative result.")
-    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Fraction of the problems held out for eval.")
+    eval_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Fraction of the problems held out for eval."
+    )
     max_train_prompts: int | None = Field(None, ge=1, description="Cap on the number of training problems.")
     max_eval_prompts: int | None = Field(None, ge=1, description="Cap on the number of held-out problems.")
     num_sft_examples: int | None = Field(
-        None, ge=1, description="SFT warm-start examples, taken from the training problems (None: all of them)."
+        None,
+        ge=1,
+        description="SFT warm-start examples, taken from the training problems (None: all of them).",
     )
     prompt_format: PromptFormatConfig = Field(
         default_factory=lambda: PromptFormatConfig(chat_template="never", max_prompt_tokens=32)
@@ -49,7 +53,9 @@ class ArithmeticTaskConfig(TaskConfigBase):
     @model_validator(mode="after")
     def _check(self) -> ArithmeticTaskConfig:
         if self.min_operand > self.max_operand:
-            raise ValueError(f"min_operand={self.min_operand} is above max_operand={self.max_operand}; swap them")
+            raise ValueError(
+                f"min_operand={self.min_operand} is above max_operand={self.max_operand}; swap them"
+            )
         if not self.operations or len(set(self.operations)) != len(self.operations):
             raise ValueError(f"operations must be a non-empty list without repeats, got {self.operations}")
         return self
@@ -97,7 +103,9 @@ class ArithmeticReward:
     def __init__(self, stop_strings: Sequence[str] = ()) -> None:
         self.stop_strings = [s for s in stop_strings if s]
 
-    def __call__(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> RewardResult:
+    def __call__(
+        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
+    ) -> RewardResult:
         answers = [parse_answer(c, self.stop_strings) for c in completions]
         rewards = [1.0 if got == str(m["answer"]) else 0.0 for got, m in zip(answers, metadata)]
         well_formed = sum(bool(re.fullmatch(r"-?\d+", a)) for a in answers) / max(len(answers), 1)

@@ -49,7 +49,8 @@ class PromptFormatConfig(Config):
         "never: use the plain template only.",
     )
     prepend_bos: bool = Field(
-        True, description="Start every prompt with the tokenizer's BOS token (if it has one and it is not there)."
+        True,
+        description="Start every prompt with the tokenizer's BOS token (if it has one and it is not there).",
     )
     max_prompt_tokens: int = Field(512, ge=1, description="Longest prompt, in tokens, that fits the context.")
     overlong_prompts: Literal["drop", "error"] = Field(
@@ -72,7 +73,9 @@ class DatasetConfig(Config):
     train_path: str = Field(
         description="A .jsonl, .json or .parquet file, or a directory saved by datasets.save_to_disk."
     )
-    eval_path: str | None = Field(None, description="Held-out prompts (same formats); see also eval_fraction.")
+    eval_path: str | None = Field(
+        None, description="Held-out prompts (same formats); see also eval_fraction."
+    )
     train_split: str | None = Field(None, description="Split to use when train_path holds a DatasetDict.")
     eval_split: str | None = Field(None, description="Split to use when eval_path holds a DatasetDict.")
     eval_fraction: float = Field(
@@ -180,7 +183,9 @@ def load_rows(path: str | Path, split: str | None = None) -> list[Any]:
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     reader = readers.get(p.suffix.lower())
     if reader is None:
-        raise ValueError(f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory")
+        raise ValueError(
+            f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory"
+        )
     return reader(p)
 
 
@@ -245,7 +250,9 @@ def format_prompt(text: str, tokenizer: Any, fmt: PromptFormatConfig, use_chat: 
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def tokenize_prompts(texts: list[str], tokenizer: Any, fmt: PromptFormatConfig, use_chat: bool) -> list[list[int]]:
+def tokenize_prompts(
+    texts: list[str], tokenizer: Any, fmt: PromptFormatConfig, use_chat: bool
+) -> list[list[int]]:
     """Token ids per prompt. Chat-templated text already holds its special tokens, so none are added."""
     if not texts:
         return []
@@ -271,11 +278,18 @@ def _drop_overlong(items: list[PromptItem], fmt: PromptFormatConfig, name: str) 
         )
     logger.warning(
         "dropped %d of %d %s prompts longer than max_prompt_tokens=%d (longest %d tokens; rows %s)",
-        len(over), len(items), name, limit, longest, ids,
-    )  # fmt: skip
+        len(over),
+        len(items),
+        name,
+        limit,
+        longest,
+        ids,
+    )
     kept = [it for it in items if len(it.prompt_token_ids) <= limit]
     if not kept:
-        raise ValueError(f"every {name} prompt is longer than max_prompt_tokens={limit}; raise it to {longest}")
+        raise ValueError(
+            f"every {name} prompt is longer than max_prompt_tokens={limit}; raise it to {longest}"
+        )
     return kept
 
 
@@ -300,17 +314,37 @@ def build_prompt_dataset(
     return PromptDataset(kept, seed=seed, shuffle=shuffle, num_dropped=len(items) - len(kept), name=name)
 
 
-def split_holdout(sources: list[SourcePrompt], fraction: float, seed: int) -> tuple[list[SourcePrompt], list[SourcePrompt]]:
+def split_holdout(
+    sources: list[SourcePrompt], fraction: float, seed: int
+) -> tuple[list[SourcePrompt], list[SourcePrompt]]:
     """Split into (train, held-out) by a seeded permutation; the two never share a prompt."""
     if fraction <= 0:
         return sources, []
     k = max(1, round(len(sources) * fraction))
     if k >= len(sources):
-        raise ValueError(f"eval_fraction={fraction} leaves no training prompts out of {len(sources)}; lower it")
+        raise ValueError(
+            f"eval_fraction={fraction} leaves no training prompts out of {len(sources)}; lower it"
+        )
     order = np.random.default_rng(seed).permutation(len(sources))
     held = set(order[:k].tolist())
     train = [s for i, s in enumerate(sources) if i not in held]
     return train, [s for i, s in enumerate(sources) if i in held]
+
+
+def build_splits(
+    ds: DatasetConfig, fmt: PromptFormatConfig, tokenizer: Any, *, seed: int = 0
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """Train and eval PromptDatasets from `ds` (eval from eval_path, else held out by eval_fraction)."""
+    train_src = rows_to_prompts(load_rows(ds.train_path, ds.train_split), ds, source=ds.train_path)
+    eval_src: list[SourcePrompt] = []
+    if ds.eval_path:
+        eval_src = rows_to_prompts(load_rows(ds.eval_path, ds.eval_split), ds, source=ds.eval_path)
+    else:
+        train_src, eval_src = split_holdout(train_src, ds.eval_fraction, seed)
+    train = build_prompt_dataset(train_src, tokenizer, fmt, seed=seed, shuffle=True, name="train")
+    if not eval_src:
+        return train, None
+    return train, build_prompt_dataset(eval_src, tokenizer, fmt, seed=seed, shuffle=False, name="eval")
 
 
 class PromptDataset:

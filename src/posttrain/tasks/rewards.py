@@ -138,7 +138,9 @@ def _normalize_output(out: Any, n: int, fn_name: str) -> RewardResult:
     """Turn whatever a reward function returned into a checked RewardResult of length n."""
     if isinstance(out, RewardResult):
         values, failed, errors, metrics = out.rewards, out.failed, out.errors, dict(out.metrics)
-    elif isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+    elif (
+        isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__")
+    ):
         raise TypeError(
             f"reward function {fn_name} returned {type(out).__name__}; it must return a list of floats "
             "(one per completion) or a RewardResult"
@@ -150,12 +152,13 @@ def _normalize_output(out: Any, n: int, fn_name: str) -> RewardResult:
         raise ValueError(f"reward function {fn_name} returned {len(values)} rewards for {n} completions")
     result = RewardResult(rewards=[], failed=[], errors=[], metrics=metrics)
     for value, was_failed, error in zip(values, failed, errors):
-        reward, problem = _to_reward(value) if not was_failed else (math.nan, None)
-        if was_failed or problem is not None:
-            reward, error = math.nan, error or problem or "marked failed by the reward function"
+        if was_failed:
+            reward, error = math.nan, error or "marked failed by the reward function"
+        else:
+            reward, error = _to_reward(value)
         result.rewards.append(reward)
-        result.failed.append(was_failed or problem is not None)
-        result.errors.append(error if result.failed[-1] else None)
+        result.failed.append(error is not None)
+        result.errors.append(error)
     return result
 
 
@@ -192,7 +195,9 @@ class RewardScorer:
         self._account(result)
         return result
 
-    def _call(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> RewardResult:
+    def _call(
+        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
+    ) -> RewardResult:
         return _normalize_output(self.fn(prompts, completions, metadata), len(completions), self.name)
 
     def _score_batch(
@@ -210,7 +215,9 @@ class RewardScorer:
             logger.debug("reward function %s raised on a whole batch", self.name, exc_info=True)
             if not self.cfg.isolate_failures or len(completions) == 1:
                 error = _describe(exc)
-                return RewardResult([math.nan] * len(completions), [True] * len(completions), [error] * len(completions))
+                return RewardResult(
+                    [math.nan] * len(completions), [True] * len(completions), [error] * len(completions)
+                )
             return self._score_one_by_one(prompts, completions, metadata)
 
     def _score_one_by_one(

@@ -1,0 +1,130 @@
+"""Supervised fine-tuning (the warm start before RL): NLL on completion tokens of a task's SFT examples.
+
+Reads top to bottom: build policy and task, then per step take the next global batch of examples,
+train, log; evaluate the held-out loss every `val_period` steps; save a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from posttrain.algorithms.losses import NLLLoss
+from posttrain.config import Config, dump_config
+from posttrain.data.batch import batch_from_sequences
+from posttrain.logging import MetricsLogger, StepProgress, get_logger
+from posttrain.policy.config import PolicyConfig
+from posttrain.policy.policy import Policy
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig
+from posttrain.tasks.build import TaskConfig, build_task
+from posttrain.tasks.task import SFTExample
+
+log = get_logger(__name__)
+
+
+class LoggingConfig(Config):
+    """Where and how metrics are written."""
+
+    tensorboard: bool = False
+    wandb_project: str | None = None
+    progress_bar: bool = Field(True, description="rich progress bar on the console")
+
+
+class SFTConfig(Config):
+    """An SFT run."""
+
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(
+            optimizer={"lr": 3e-3}, train_global_batch_size=32, microbatch={"train_micro_batch_size": 32}
+        ))
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    max_num_steps: int = Field(200, ge=0, description="optimizer steps")
+    val_period: int = Field(50, ge=0, description="held-out loss every N steps (0 = only at the end)")
+    seed: int = 0
+    output_dir: str = Field("runs/sft", description="metrics.jsonl, config.yaml and the final HF model go here")
+    save_final_model: bool = True
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+def example_batches(examples: list[SFTExample], batch_size: int, seed: int):
+    """Endless batches of examples, reshuffled each epoch (seeded)."""
+    if not examples:
+        raise ValueError("the task has no SFT examples; SFT needs a task with prompts and reference answers")
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        batch = []
+        while len(batch) < batch_size:
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            batch.append(examples[order.pop()])
+        yield batch
+
+
+def to_batch(examples: list[SFTExample], pad_id: int, multiple_of: int = 1):
+    """Batch of examples, padded with masked-out copies up to a multiple of `multiple_of` rows."""
+    n = len(examples)
+    padded = examples + [examples[i % n] for i in range(-n % multiple_of)]
+    mask = [1.0] * n + [0.0] * (len(padded) - n)
+    return batch_from_sequences(
+        [e.prompt_token_ids for e in padded], [e.completion_token_ids for e in padded], pad_id, mask
+    )
+
+
+def heldout_examples(task, tokenizer) -> list[SFTExample]:
+    """Held-out SFT examples (eval prompts with their answers) when the task has gold answers."""
+    from posttrain.tasks.arithmetic import sft_examples
+
+    if task.eval is None or not all("answer" in it.metadata for it in task.eval):
+        return []
+    return sft_examples(task.eval, tokenizer)
+
+
+def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:
+    """Token-mean NLL over all held-out examples (padded rows are masked out)."""
+    batch = to_batch(examples, pad_id, multiple_of=policy.cfg.train_global_batch_size)
+    return policy.train(batch, NLLLoss(), eval_mode=True)["loss"]
+
+
+def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
+    """Train; returns the last step's metrics plus the final held-out loss."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    policy = policy or Policy(cfg.policy)
+    tokenizer = policy.group.workers[0].tokenizer if cfg.policy.cluster.backend == "local" else None
+    if tokenizer is None:
+        from posttrain.policy.model_init import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg.policy.model)
+    task = build_task(cfg.task, tokenizer)
+    pad_id = tokenizer.pad_token_id or 0
+    heldout = heldout_examples(task, tokenizer)
+    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project)
+    progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
+    batches = example_batches(task.sft_examples, cfg.policy.train_global_batch_size, cfg.seed)
+    last: dict[str, float] = {}
+    try:
+        for step in range(1, cfg.max_num_steps + 1):
+            t0 = time.perf_counter()
+            last = policy.train(to_batch(next(batches), pad_id), NLLLoss())
+            last["step_time_s"] = time.perf_counter() - t0
+            metrics_log.log(last, step, prefix="train")
+            shown = {f"train/{k}": v for k, v in last.items()}
+            if heldout and cfg.val_period and step % cfg.val_period == 0:
+                val = eval_loss(policy, heldout, pad_id)
+                metrics_log.log({"loss": val}, step, prefix="val")
+                shown["val/loss"] = val
+            progress.update(step, shown)
+        if heldout:
+            last["val_loss"] = eval_loss(policy, heldout, pad_id)
+            metrics_log.log({"loss": last["val_loss"]}, cfg.max_num_steps, prefix="val")
+        if cfg.save_final_model:
+            policy.save_hf(str(out / "hf"))
+    finally:
+        progress.close()
+        metrics_log.close()
+    return last

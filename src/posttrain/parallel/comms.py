@@ -1,0 +1,388 @@
+"""Tearing down and rebuilding a worker's device communicators, so training and generation can time-share
+a device (DESIGN.md, "Worker phases": communicators are a second, independent switch).
+
+A colocated run moves the trainer off the device while the engine generates. Its process groups would
+still hold device memory (NCCL communicator buffers) and, on CPU, sockets and threads. This module
+destroys them and later recreates them, without rebuilding the model or the optimizer:
+
+1. `collect_groups` walks the data-parallel mesh and every FSDP2 state of the model (param groups,
+   params, their mesh infos and communication helpers, the DTensor specs of the sharded params) and
+   records each process group found (deduplicated by identity) together with every place that refers
+   to it (a "holder": an attribute, a list slot, a mesh's group name or registry entry).
+2. `teardown` replaces every holder's reference by a `TornDownGroup` placeholder (a stray use raises
+   `CommsError` instead of silently running on another group) and destroys each group. Dropping the
+   references matters: gloo frees a group's sockets and threads only when the Python object dies.
+3. `rebuild` creates one new group per destroyed one (same ranks, backend, description, timeout) and
+   writes it into every holder; mesh dimensions are renamed to the new groups. The `DeviceMesh` objects
+   keep their identity, so every DTensor (params, gradients, optimizer state) keeps working and the next
+   step trains exactly as if nothing happened.
+
+Departures from the textbook "destroy all groups and re-init": the default (world) group is never
+destroyed here; it stays up as the rendezvous whose store creates the new groups. That is why
+`parallel/mesh.build_dp_mesh` builds the mesh over its own group. A model whose mesh uses the default
+group is refused with a `ValueError`. Host-side groups (gloo) held next to device (NCCL) groups on a
+GPU are left alone; on CPU, gloo is the device backend and its groups are torn down.
+
+Failures raise `CommsError` naming the group; the snapshot records what is done, so calling the same
+function again finishes the job. Creating groups is collective: every rank must call `rebuild` (in the
+same order of groups, which `collect_groups` guarantees for ranks that share a model layout).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+__all__ = [
+    "CommsError",
+    "CommsSnapshot",
+    "GroupSpec",
+    "TornDownGroup",
+    "collect_groups",
+    "rebuild",
+    "teardown",
+]
+
+
+class CommsError(RuntimeError):
+    """A process group could not be destroyed or created, or a torn-down group was used."""
+
+
+class TornDownGroup:
+    """Stands in for a destroyed process group until `rebuild`; any use raises `CommsError`."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):  # keep copy/pickle/inspection protocols working
+            raise AttributeError(attr)
+        raise CommsError(
+            f"process group '{self.name}' is torn down (its `{attr}` was used); call rebuild_comms() first"
+        )
+
+    def __repr__(self) -> str:
+        return f"TornDownGroup({self.name!r})"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What is needed to recreate one process group."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    backend: str
+    timeout_s: float | None
+
+    def describe(self) -> str:
+        return f"'{self.name}' ({self.desc}, backend {self.backend}, ranks {list(self.ranks)})"
+
+
+@dataclass
+class _Holder:
+    """One reference to a group: obj.<key> ('attr'), obj[key] ('item'), mesh._dim_group_names[key]
+    ('name') or mesh._pg_registry[key] ('registry')."""
+
+    kind: str
+    obj: Any
+    key: Any
+    group: int
+
+
+@dataclass
+class CommsSnapshot:
+    """The groups of one worker, where they are referenced, and how far teardown/rebuild got."""
+
+    device_type: str
+    meshes: list[DeviceMesh]
+    groups: list[GroupSpec]
+    holders: list[_Holder]
+    live: list[Any]  # the old group while not yet destroyed, else None
+    new: list[Any] = field(default_factory=list)  # groups created by rebuild (None until created)
+    detached: bool = False
+    rebuilt: bool = False
+
+    @property
+    def mesh_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(m.shape) for m in self.meshes]
+
+    @property
+    def mesh_dim_names(self) -> list[tuple[str, ...] | None]:
+        return [m.mesh_dim_names for m in self.meshes]
+
+    @property
+    def torn_down(self) -> bool:
+        return all(g is None for g in self.live)
+
+
+# ---------------------------------------------------------------------------------------------- collect
+
+
+def _is_device_group(pg: dist.ProcessGroup, device_type: str) -> bool:
+    """On CPU every group is a device group; on an accelerator, groups without a non-gloo backend for
+    it are host-side."""
+    if device_type == "cpu":
+        return True
+    try:
+        return pg._get_backend(torch.device(device_type)).name() != "gloo"
+    except RuntimeError:
+        return False
+
+
+def _group_spec(pg: dist.ProcessGroup, device_type: str) -> GroupSpec:
+    timeout_s = None
+    try:
+        timeout_s = pg._get_backend(torch.device(device_type)).options._timeout.total_seconds()
+    except (RuntimeError, AttributeError):
+        pass
+    return GroupSpec(
+        name=pg.group_name,
+        desc=pg.group_desc,
+        ranks=tuple(dist.get_process_group_ranks(pg)),
+        backend=str(dist.get_backend(pg)),
+        timeout_s=timeout_s,
+    )
+
+
+class _Walker:
+    """Finds process groups and their holders among FSDP2 internals, meshes and DTensor specs."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.seen: set[int] = set()
+        self.meshes: list[DeviceMesh] = []
+        self.groups: list[dist.ProcessGroup] = []
+        self.index: dict[int, int] = {}
+        self.holders: list[_Holder] = []
+
+    def _group_index(self, pg: dist.ProcessGroup) -> int | None:
+        if not _is_device_group(pg, self.device_type):
+            return None
+        if id(pg) not in self.index:
+            if pg is dist.group.WORLD:
+                raise ValueError(
+                    "the model's mesh uses the default (world) process group, which cannot be torn down "
+                    "on its own; build the mesh with posttrain.parallel.mesh.build_dp_mesh (its own group)"
+                )
+            self.index[id(pg)] = len(self.groups)
+            self.groups.append(pg)
+        return self.index[id(pg)]
+
+    def _hold(self, kind: str, obj: Any, key: Any, pg: dist.ProcessGroup) -> None:
+        i = self._group_index(pg)
+        if i is not None:
+            self.holders.append(_Holder(kind, obj, key, i))
+
+    def visit(self, obj: Any) -> None:
+        if id(obj) in self.seen or obj is None or isinstance(obj, (str, int, float, bool)):
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, DeviceMesh):
+            self._visit_mesh(obj)
+        elif isinstance(obj, DTensorSpec):
+            self.visit(obj.mesh)
+        elif isinstance(obj, DTensor):
+            self.visit(obj._spec)
+        elif isinstance(obj, (torch.Tensor, torch.nn.Module)):
+            return
+        elif isinstance(obj, (list, dict)):
+            items = enumerate(obj) if isinstance(obj, list) else list(obj.items())
+            for key, value in items:
+                self._child("item", obj, key, value)
+        elif isinstance(obj, (tuple, set, frozenset)):
+            for value in obj:
+                if isinstance(value, dist.ProcessGroup) and _is_device_group(value, self.device_type):
+                    raise CommsError(f"process group '{value.group_name}' is held in a {type(obj).__name__}")
+                self.visit(value)
+        elif type(obj).__module__.startswith("torch.distributed") and hasattr(obj, "__dict__"):
+            for key, value in list(vars(obj).items()):
+                self._child("attr", obj, key, value)
+
+    def _child(self, kind: str, obj: Any, key: Any, value: Any) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            self._hold(kind, obj, key, value)
+        else:
+            self.visit(value)
+
+    def _visit_mesh(self, mesh: DeviceMesh) -> None:
+        self.meshes.append(mesh)
+        for i, name in enumerate(getattr(mesh, "_dim_group_names", [])):
+            self._hold("name", mesh, i, _resolve_process_group(name))
+        for name, pg in list(mesh._pg_registry.items()):
+            self._hold("registry", mesh, name, pg)
+        self.visit(mesh._root_mesh)
+        for sub in mesh._flatten_mapping.values():
+            self.visit(sub)
+
+
+def fsdp_states(model: torch.nn.Module) -> list[Any]:
+    """The FSDP2 state of every `fully_shard`-ed module of `model`, in module order."""
+    return [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def collect_groups(
+    model: torch.nn.Module | None, mesh: DeviceMesh | None = None, device_type: str | None = None
+) -> CommsSnapshot:
+    """Every device process group that `mesh` and `model` hold, and every reference to it (no side
+    effects). The order is deterministic, so ranks with the same layout list their groups alike."""
+    if device_type is None:
+        device_type = mesh.device_type if mesh is not None else _model_device_type(model)
+    walker = _Walker(device_type)
+    walker.visit(mesh)
+    if model is not None:
+        for state in fsdp_states(model):
+            walker.visit(state)
+        for p in model.parameters():
+            walker.visit(p)
+    specs = [_group_spec(pg, device_type) for pg in walker.groups]
+    meshes = [m for m in walker.meshes if m._root_mesh is None] or walker.meshes
+    return CommsSnapshot(device_type, meshes, specs, walker.holders, list(walker.groups))
+
+
+def _model_device_type(model: torch.nn.Module | None) -> str:
+    states = fsdp_states(model) if model is not None else []
+    return states[0]._device.type if states else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------- teardown
+
+
+def _device_used_bytes(device_type: str) -> int | None:
+    """Bytes in use on this rank's device (whole device, so communicator buffers count), or None on CPU."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def _destroy(pg: dist.ProcessGroup) -> None:
+    """Destroy one group (module-level so tests can inject a failure)."""
+    dist.destroy_process_group(pg)
+
+
+def _create(spec: GroupSpec) -> dist.ProcessGroup:
+    """Create one group like `spec` among its members only (module-level so tests can inject a failure)."""
+    timeout = timedelta(seconds=spec.timeout_s) if spec.timeout_s is not None else None
+    return dist.new_group(
+        list(spec.ranks),
+        timeout=timeout,
+        backend=spec.backend,
+        group_desc=spec.desc,
+        use_local_synchronization=True,
+    )
+
+
+def _detach(snap: CommsSnapshot) -> None:
+    """Replace every reference to the old groups by a placeholder (once)."""
+    if snap.detached:
+        return
+    for h in snap.holders:
+        name = snap.groups[h.group].name
+        if h.kind == "attr":
+            vars(h.obj)[h.key] = TornDownGroup(name)
+        elif h.kind == "item":
+            h.obj[h.key] = TornDownGroup(name)
+        elif h.kind == "registry":
+            h.obj._pg_registry.pop(h.key, None)
+        # 'name' holders keep the old name: resolving it fails loudly until rebuild renames it
+    snap.detached = True
+
+
+def _stats(snap: CommsSnapshot, key: str, count: int, start: float, before: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {key: count}
+    after = _device_used_bytes(snap.device_type)
+    if before is not None and after is not None:
+        out.update(device_used_before_bytes=before, device_used_after_bytes=after)
+        out["device_freed_bytes"] = before - after
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def teardown(snap: CommsSnapshot) -> dict[str, Any]:
+    """Destroy the groups of `snap` (idempotent). Returns groups_destroyed, seconds and, on a device,
+    device_used_before_bytes / device_used_after_bytes / device_freed_bytes.
+
+    Raises `CommsError` naming the first group that could not be destroyed; the groups destroyed so far
+    stay destroyed and calling `teardown(snap)` again retries the rest.
+    """
+    if snap.rebuilt:
+        raise ValueError("this snapshot was already rebuilt; take a new one with collect_groups()")
+    start = time.perf_counter()
+    before = _device_used_bytes(snap.device_type)
+    _detach(snap)
+    destroyed = 0
+    for i in range(len(snap.live)):
+        if snap.live[i] is None:
+            continue
+        try:
+            _destroy(snap.live[i])
+        except Exception as e:
+            raise CommsError(
+                f"failed to destroy process group {snap.groups[i].describe()}: {e}; "
+                f"{destroyed} group(s) destroyed before it. Call teardown_comms() again to retry"
+            ) from e
+        snap.live[i] = None  # the last reference: gloo releases sockets and threads here
+        destroyed += 1
+    return _stats(snap, "groups_destroyed", destroyed, start, before)
+
+
+def rebuild(snap: CommsSnapshot) -> tuple[DeviceMesh | None, dict[str, Any]]:
+    """Recreate the groups of `snap` and re-bind them everywhere they were referenced (collective over
+    each group's ranks). Finishes a partial teardown first. Returns (the data-parallel mesh, stats:
+    groups_created, groups_destroyed, seconds, device bytes as in `teardown`).
+
+    Raises `CommsError` naming the group that could not be created; groups already created are kept,
+    and calling `rebuild(snap)` again (on every rank) creates the rest.
+    """
+    mesh = snap.meshes[0] if snap.meshes else None
+    if snap.rebuilt:
+        return mesh, {"groups_created": 0, "groups_destroyed": 0, "seconds": 0.0}
+    start = time.perf_counter()
+    before = _device_used_bytes(snap.device_type)
+    destroyed = teardown(snap)["groups_destroyed"]  # finishes a partial teardown; 0 otherwise
+    if not snap.new:
+        snap.new = [None] * len(snap.groups)
+    created = 0
+    for i, spec in enumerate(snap.groups):
+        if snap.new[i] is not None:
+            continue
+        try:
+            snap.new[i] = _create(spec)
+        except Exception as e:
+            raise CommsError(
+                f"failed to create process group {spec.describe()}: {e}; {created} group(s) created "
+                "before it. Call rebuild_comms() again (on every rank) to retry"
+            ) from e
+        created += 1
+    _rebind(snap)
+    stats = _stats(snap, "groups_created", created, start, before)
+    stats["groups_destroyed"] = destroyed
+    return mesh, stats
+
+
+def _rebind(snap: CommsSnapshot) -> None:
+    for h in snap.holders:
+        pg = snap.new[h.group]
+        if h.kind == "attr":
+            vars(h.obj)[h.key] = pg
+        elif h.kind == "item":
+            h.obj[h.key] = pg
+        elif h.kind == "registry":
+            h.obj._pg_registry[pg.group_name] = pg
+        elif h.kind == "name":
+            h.obj._dim_group_names[h.key] = pg.group_name
+    snap.rebuilt = True

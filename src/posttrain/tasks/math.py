@@ -1,0 +1,121 @@
+"""Math problems from a local dataset, with answers checked by the `math-verify` library.
+
+Each row has a problem and a gold answer (field names configurable). The reward parses the completion with
+`math_verify.parse` (LaTeX, \\boxed{...} first, or a plain expression) and compares it with the parsed gold
+answer using `math_verify.verify`: 1.0 when equivalent, 0.0 when not, including when the completion holds no
+answer at all. Where the checker itself breaks (an exception, a timeout, a gold answer it cannot parse) the
+sample is marked failed instead of being scored 0.
+
+math-verify bounds its work with `signal.alarm`, which only works in the main thread. Off the main thread
+(e.g. inside a Ray actor's worker thread) this reward calls it with its timeouts switched off and warns
+once; run the reward in the main thread where unbounded sympy work is a concern.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal
+
+from pydantic import Field
+
+from posttrain.logging import get_logger
+from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, build_splits
+from posttrain.tasks.rewards import RewardResult
+from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
+
+logger = get_logger(__name__)
+
+DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
+_GOLD_CACHE_SIZE = 100_000
+
+
+class MathTaskConfig(TaskConfigBase):
+    """A math dataset scored by math-verify."""
+
+    name: Literal["math"] = "math"
+    dataset: DatasetConfig = Field(description="Where the problems and gold answers are.")
+    timeout_seconds: int = Field(
+        5, ge=1, description="Bound on each math-verify parse / compare (main thread only, see module doc)."
+    )
+    float_rounding: int = Field(6, ge=0, description="Decimal places math-verify rounds floats to.")
+    prompt_format: PromptFormatConfig = Field(
+        default_factory=lambda: PromptFormatConfig(template=DEFAULT_MATH_TEMPLATE)
+    )
+
+
+def _import_math_verify() -> Any:
+    try:
+        import math_verify
+        from math_verify.errors import TimeoutException
+    except ImportError as exc:
+        raise ValueError(
+            "the math task needs math-verify: pip install 'posttrain[math]' (or pip install math-verify)"
+        ) from exc
+    return math_verify, TimeoutException
+
+
+class MathVerifyReward:
+    """Reward 1.0 if math-verify finds the completion's answer equivalent to `metadata['answer']`, else 0.0."""
+
+    def __init__(self, timeout_seconds: int = 5, float_rounding: int = 6) -> None:
+        self._mv, self._timeout_exc = _import_math_verify()
+        self.timeout_seconds = timeout_seconds
+        self.float_rounding = float_rounding
+        self._gold: dict[tuple[str, int | None], list[Any]] = {}
+        self._warned_thread = False
+
+    def _timeout(self) -> int | None:
+        if threading.current_thread() is threading.main_thread():
+            return self.timeout_seconds
+        if not self._warned_thread:
+            logger.warning(
+                "math-verify runs without its timeout here: signal-based timeouts need the main thread"
+            )
+            self._warned_thread = True
+        return None
+
+    def _parse_gold(self, answer: str, timeout: int | None) -> list[Any]:
+        key = (answer, timeout)
+        if key not in self._gold:
+            text = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+            parsed = self._mv.parse(text, parsing_timeout=timeout, raise_on_error=True)
+            if all(isinstance(x, str) for x in parsed):  # empty, or only the unparsed text as a fallback
+                raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
+            if len(self._gold) >= _GOLD_CACHE_SIZE:
+                self._gold.clear()
+            self._gold[key] = parsed
+        return self._gold[key]
+
+    def score_one(self, completion: str, answer: str, timeout: int | None) -> float:
+        """1.0 or 0.0; raises when math-verify fails or times out."""
+        gold = self._parse_gold(str(answer), timeout)
+        pred = self._mv.parse(completion, parsing_timeout=timeout, raise_on_error=True)
+        ok = self._mv.verify(
+            gold, pred, float_rounding=self.float_rounding, timeout_seconds=timeout, raise_on_error=True
+        )
+        return 1.0 if ok else 0.0
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
+    ) -> RewardResult:
+        timeout = self._timeout()
+        result = RewardResult(rewards=[], failed=[], errors=[])
+        for completion, meta in zip(completions, metadata):
+            try:
+                reward, error = self.score_one(completion, meta["answer"], timeout), None
+            except (Exception, self._timeout_exc) as exc:
+                reward, error = float("nan"), f"{type(exc).__name__}: {exc}"
+            result.rewards.append(reward)
+            result.failed.append(error is not None)
+            result.errors.append(error)
+        return result
+
+
+def build_math_task(cfg: MathTaskConfig, tokenizer: Any) -> Task:
+    """Load and check the dataset, then pair it with the math-verify reward (or `cfg.reward_fn`)."""
+    if cfg.dataset.answer_field is None:
+        raise ValueError("the math task needs dataset.answer_field: the column holding the gold answers")
+    default = None if cfg.reward_fn else MathVerifyReward(cfg.timeout_seconds, cfg.float_rounding)
+    reward = make_scorer(cfg, default)
+    train, evals = build_splits(cfg.dataset, cfg.prompt_format, tokenizer, seed=cfg.seed)
+    return Task(name="math", train=train, eval=evals, reward=reward)

@@ -1,0 +1,398 @@
+"""Dry-run tests of the asynchronous GRPO controller: fake trainer, fake rollout workers, no Ray.
+
+Each test runs its coroutine under a hard `asyncio.wait_for` bound (`bounded_run`), so a scheduling
+bug shows up as a failure in seconds, never as a hung test run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
+from posttrain.algorithms.async_types import (
+    NoRolloutWorkersError,
+    RetryBudgetExhausted,
+    SamplesCodec,
+    TrainerError,
+)
+from posttrain.algorithms.dryrun import FakeRolloutWorker, FakeTrainer, fake_dataset, jittered, make_fake_prepare
+from posttrain.algorithms.staleness import GroupState
+
+HARD_TIMEOUT_S = 10.0
+
+
+def bounded_run(coro, timeout: float = HARD_TIMEOUT_S):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def make(
+    n_prompts: int = 16,
+    workers: list[FakeRolloutWorker] | None = None,
+    trainer: FakeTrainer | None = None,
+    prepare=None,
+    codec: SamplesCodec | None = None,
+    **overrides,
+) -> tuple[AsyncGRPOController, FakeTrainer, list[FakeRolloutWorker]]:
+    cfg = dict(
+        target_prompt_groups_per_step=4,
+        max_staleness=1,
+        max_in_flight_per_worker=2,
+        shuffle=False,
+        request_timeout_s=2.0,
+        weight_sync_timeout_s=2.0,
+        trainer_timeout_s=2.0,
+        admission_timeout_s=5.0,
+        shutdown_timeout_s=1.0,
+    )
+    cfg.update(overrides)
+    workers = workers if workers is not None else [FakeRolloutWorker(f"w{i}") for i in range(2)]
+    trainer = trainer if trainer is not None else FakeTrainer()
+    ctrl = AsyncGRPOController(
+        AsyncGRPOConfig(**cfg),
+        fake_dataset(n_prompts),
+        workers,
+        trainer,
+        prepare or make_fake_prepare(),
+        samples_codec=codec,
+    )
+    return ctrl, trainer, workers
+
+
+def check_ledger(ctrl: AsyncGRPOController, trainer: FakeTrainer) -> None:
+    """Every group trained at most once, and the trainer trained exactly the ledger's TRAINED groups."""
+    ctrl.ledger.check_settled()
+    trained = trainer.trained_group_ids
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert sorted(trained) == ctrl.ledger.ids(GroupState.TRAINED)
+
+
+def check_workers(workers: list[FakeRolloutWorker]) -> None:
+    for w in workers:
+        assert w.violations == [], (w.name, w.violations)
+        assert w.weight_updates == sorted(w.weight_updates)
+
+
+def trained_prompts(trainer: FakeTrainer) -> list[int]:
+    return [b.prompt_id for step in trainer.steps for b in step]
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+def test_arrival_order():
+    """Among equally fresh groups the trainer takes them in the order they finished, not sent."""
+    worker = FakeRolloutWorker("w0", latency=jittered(0.005, 0.03, seed=1))
+    ctrl, trainer, _ = make(16, [worker], max_staleness=0, max_in_flight_per_worker=4)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 4 and summary.data_exhausted
+    assert trained_prompts(trainer) == worker.completed
+    assert worker.completed != sorted(worker.completed), "latencies should reorder completions"
+    check_ledger(ctrl, trainer)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_staleness_bound_never_exceeded(max_staleness):
+    workers = [FakeRolloutWorker(f"w{i}", latency=jittered(0.002, 0.02, seed=i)) for i in range(3)]
+    trainer = FakeTrainer(train_latency=0.002, finish_latency=0.01)
+    ctrl, trainer, _ = make(
+        48,
+        workers,
+        trainer,
+        max_staleness=max_staleness,
+        max_outstanding_groups=12,
+        max_in_flight_per_worker=3,
+    )
+    steps: list[dict] = []
+    summary = bounded_run(ctrl.run(on_step=lambda step, m: steps.append(m)))
+    lags = [version - weight_version for kind, _, weight_version, version in
+            (e for e in trainer.events if e[0] == "train")]
+    assert lags and max(lags) <= max_staleness and min(lags) >= 0
+    assert all(m["staleness/max"] <= max_staleness for m in steps)
+    hist = sum(m[f"staleness/lag_{k}"] for m in steps for k in range(max_staleness + 1))
+    assert hist == len(trainer.trained_group_ids) == summary.totals["admitted"]
+    assert trainer.violations == []
+    check_workers(workers)
+    check_ledger(ctrl, trainer)
+    counts = summary.groups
+    assert counts["trained"] + counts["dropped_stale"] == 48
+    assert summary.totals["dropped_stale"] == counts["dropped_stale"]
+
+
+def test_trainer_version_advances_only_on_finish():
+    ctrl, trainer, workers = make(12, max_staleness=2)
+    seen = []
+    bounded_run(ctrl.run(on_step=lambda step, m: seen.append((step, m["trainer_version"]))))
+    assert seen == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    version = 0
+    for event in trainer.events:
+        if event[0] == "finish":
+            assert event[1] == version + 1
+            version = event[1]
+        elif event[0] in ("begin", "train"):
+            assert event[-1] == version
+    assert ctrl.trainer_version == trainer.version == 3
+    check_workers(workers)
+
+
+def test_end_of_dataset_partial_final_step_and_epochs():
+    ctrl, trainer, _ = make(10, num_epochs=2)
+    summary = bounded_run(ctrl.run())
+    assert [len(s) for s in trainer.steps] == [4, 4, 4, 4, 4]
+    assert sorted(trained_prompts(trainer)) == sorted(list(range(10)) * 2)
+    assert summary.data_exhausted and summary.groups["pending"] == 0
+    ctrl, trainer, _ = make(10, max_staleness=5)
+    summary = bounded_run(ctrl.run())
+    assert [len(s) for s in trainer.steps] == [4, 4, 2]
+    assert summary.steps == 3 and summary.data_exhausted
+    check_ledger(ctrl, trainer)
+
+
+def test_num_steps_stops_with_work_in_flight():
+    ctrl, trainer, _ = make(40, num_steps=2, max_staleness=3)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 2 and not summary.data_exhausted
+    assert summary.groups["in_flight"] == summary.groups["training"] == 0
+    assert summary.groups["pending"] + summary.groups["buffered"] > 0
+    check_ledger(ctrl, trainer)
+
+
+def test_empty_steps_never_open_a_step():
+    ctrl, trainer, _ = make(6, prepare=make_fake_prepare(filter_prompts=set(range(6))))
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 0 and trainer.version == 0
+    assert "begin" not in trainer.calls and summary.groups["filtered"] == 6
+    ctrl, trainer, _ = make(0)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 0 and summary.data_exhausted and trainer.calls == {"export_weights": 1}
+
+
+def test_filtered_groups_do_not_count_toward_the_target():
+    ctrl, trainer, _ = make(12, max_staleness=5, prepare=make_fake_prepare(filter_prompts={0, 5, 6}))
+    summary = bounded_run(ctrl.run())
+    assert [len(s) for s in trainer.steps] == [4, 4, 1]
+    assert 0 not in trained_prompts(trainer) and summary.totals["filtered"] == 3
+    check_ledger(ctrl, trainer)
+
+
+def test_straggler_does_not_hold_back_steps():
+    latency = lambda prompt, call: 0.6 if prompt == 0 else 0.005  # noqa: E731
+    workers = [FakeRolloutWorker(f"w{i}", latency=latency) for i in range(2)]
+    ctrl, trainer, _ = make(16, workers, max_staleness=0, max_outstanding_groups=8)
+    start = time.monotonic()
+    summary = bounded_run(ctrl.run())
+    # every step but the straggler's own finished long before it came back, and it came back too stale
+    assert 0 not in trained_prompts(trainer)
+    assert ctrl.ledger.states[0] == GroupState.DROPPED_STALE  # group 0 is prompt 0 (no shuffle)
+    assert summary.totals["dropped_stale"] >= 1 and summary.steps >= 3
+    assert time.monotonic() - start < 3.0
+    check_ledger(ctrl, trainer)
+    check_workers(workers)
+
+
+def test_straggler_within_staleness_is_trained_late():
+    latency = lambda prompt, call: 0.15 if prompt == 0 else 0.002  # noqa: E731
+    trainer = FakeTrainer(finish_latency=0.1)
+    ctrl, trainer, workers = make(
+        12, [FakeRolloutWorker("w0", latency=latency), FakeRolloutWorker("w1", latency=latency)],
+        trainer, max_staleness=3,
+    )
+    bounded_run(ctrl.run())
+    steps = [[b.prompt_id for b in s] for s in trainer.steps]
+    assert 0 not in steps[0] and 0 in trained_prompts(trainer)
+    lag = next(v - wv for kind, gid, wv, v in (e for e in trainer.events if e[0] == "train") if gid == 0)
+    assert 1 <= lag <= 3
+    check_ledger(ctrl, trainer)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_worker_death_with_retry():
+    workers = [
+        FakeRolloutWorker("w0", die_on_call=2),
+        FakeRolloutWorker("w1", latency=0.02),
+        FakeRolloutWorker("w2", latency=0.01),
+    ]
+    ctrl, trainer, _ = make(24, workers, max_staleness=6, max_outstanding_groups=12)
+    summary = bounded_run(ctrl.run())
+    assert list(summary.dead_workers) == [0]
+    assert sorted(trained_prompts(trainer)) == list(range(24))
+    assert summary.totals["retried"] >= 1 and summary.totals["failed"] == 0
+    assert all(call <= 3 for call, _, _ in workers[0].calls)  # no work sent after the death was seen
+    check_ledger(ctrl, trainer)
+
+
+def test_worker_timeout_is_retired_and_its_groups_retried():
+    workers = [FakeRolloutWorker("w0", hang_on_calls={1}), FakeRolloutWorker("w1")]
+    ctrl, trainer, _ = make(12, workers, max_staleness=6, request_timeout_s=0.3)
+    start = time.monotonic()
+    summary = bounded_run(ctrl.run())
+    assert time.monotonic() - start < 3.0
+    assert "did not answer within 0.3s" in summary.dead_workers[0]
+    assert sorted(trained_prompts(trainer)) == list(range(12))
+    check_ledger(ctrl, trainer)
+
+
+def test_weight_push_failure_retires_the_worker():
+    workers = [FakeRolloutWorker("w0"), FakeRolloutWorker("w1", fail_set_weights=True)]
+    ctrl, trainer, _ = make(8, workers)
+    summary = bounded_run(ctrl.run())
+    assert list(summary.dead_workers) == [1] and "set_weights" in summary.dead_workers[1]
+    assert sorted(trained_prompts(trainer)) == list(range(8))
+
+
+@pytest.mark.parametrize("raise_failures", [False, True])
+def test_failed_generations_are_retried_never_trained(raise_failures):
+    workers = [FakeRolloutWorker("w0", fail_prompts={1: 1, 2: 2}, raise_failures=raise_failures)]
+    ctrl, trainer, _ = make(8, workers, max_staleness=4)
+    summary = bounded_run(ctrl.run())
+    assert sorted(trained_prompts(trainer)) == list(range(8))
+    assert summary.totals["retried"] == 3 and summary.dead_workers == {}
+    assert all(b.num_samples == 4 for s in trainer.steps for b in s)
+    check_ledger(ctrl, trainer)
+
+
+def test_retry_budget_exhausted_is_a_clear_error():
+    workers = [FakeRolloutWorker("w0", fail_prompts={3: 10}), FakeRolloutWorker("w1", fail_prompts={3: 10})]
+    ctrl, trainer, _ = make(8, workers, max_retries=2)
+    with pytest.raises(RetryBudgetExhausted, match=r"prompt 3\) failed 3 times, more than max_retries=2"):
+        bounded_run(ctrl.run())
+    assert not trainer.open and 3 not in trained_prompts(trainer)
+    assert ctrl.ledger.counts()["failed"] == 1
+    check_ledger(ctrl, trainer)
+
+
+def test_retry_budget_exhausted_drop_mode_goes_on():
+    workers = [FakeRolloutWorker("w0", fail_prompts={3: 10})]
+    ctrl, trainer, _ = make(8, workers, max_retries=1, on_retries_exhausted="drop", max_staleness=3)
+    summary = bounded_run(ctrl.run())
+    assert sorted(trained_prompts(trainer)) == [0, 1, 2, 4, 5, 6, 7]
+    assert summary.totals["failed"] == 1 and summary.groups["failed"] == 1
+
+
+def test_all_workers_dead_is_a_clear_error():
+    workers = [FakeRolloutWorker("w0", die_on_call=1), FakeRolloutWorker("w1", die_on_call=2)]
+    ctrl, trainer, _ = make(16, workers, max_retries=10)
+    with pytest.raises(NoRolloutWorkersError, match="0 rollout worker.*worker 0: .*died"):
+        bounded_run(ctrl.run())
+    assert not trainer.open
+    check_ledger(ctrl, trainer)
+
+
+@pytest.mark.parametrize("verb", ["begin", "train_group", "finish", "export_weights"])
+def test_trainer_error_aborts_the_step_and_keeps_its_groups(verb):
+    index = {"begin": 1, "train_group": 5, "finish": 1, "export_weights": 2}[verb]
+    trainer = FakeTrainer(fail_on={verb: index})
+    ctrl, trainer, _ = make(16, trainer=trainer, max_staleness=3)
+    with pytest.raises(TrainerError, match=f"trainer {verb}\\(\\) failed: RuntimeError: injected failure"):
+        bounded_run(ctrl.run())
+    assert not trainer.open and trainer.version == ctrl.trainer_version
+    if verb != "export_weights":  # export fails after the step closed
+        assert trainer.version == 1 and trainer.events[-1] == ("abort", 1)
+        assert len(ctrl.sampler) >= (1 if verb == "begin" else 2)  # the step's groups are back
+    ctrl.ledger.check_settled()
+    bounded_run(trainer.abort())  # abort stays idempotent
+    bounded_run(trainer.abort())
+    assert trainer.version == ctrl.trainer_version and not trainer.open
+
+
+def test_trainer_hang_surfaces_within_the_timeout():
+    trainer = FakeTrainer(hang_on={"train_group": 2})
+    ctrl, trainer, _ = make(16, trainer=trainer, trainer_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(TrainerError, match="trainer train_group\\(\\) did not answer within 0.3s"):
+        bounded_run(ctrl.run())
+    assert time.monotonic() - start < 2.0
+    assert trainer.events[-1] == ("abort", 0) and trainer.version == 0
+
+
+def test_abort_that_fails_too_says_state_is_unknown():
+    trainer = FakeTrainer(fail_on={"train_group": 1, "abort": 0})
+    ctrl, trainer, _ = make(8, trainer=trainer)
+    with pytest.raises(TrainerError, match="state is unknown"):
+        bounded_run(ctrl.run())
+
+
+def test_fake_trainer_abort_is_idempotent_and_keeps_version():
+    async def body():
+        t = FakeTrainer()
+        await t.abort()
+        await t.begin(object())
+        await t.abort()
+        await t.abort()
+        assert t.version == 0 and not t.open
+        await t.begin(object())
+        assert await t.finish() == {"step_skipped": 1.0} and t.version == 0
+        with pytest.raises(RuntimeError, match="without an open train step"):
+            await t.finish()
+
+    bounded_run(body())
+
+
+# --------------------------------------------------------------------------- checkpoint and metrics
+
+
+@pytest.mark.parametrize("with_codec", [False, True])
+def test_state_dict_resume_trains_every_prompt_once(with_codec):
+    codec = SamplesCodec(encode=lambda s: s, decode=lambda s: s) if with_codec else None
+    ctrl, trainer, _ = make(24, codec=codec, num_steps=2, max_staleness=8, max_outstanding_groups=12)
+    bounded_run(ctrl.run())
+    state = json.loads(json.dumps(ctrl.state_dict()))
+    assert state["step"] == 2 and state["trainer_version"] == 2
+    assert bool(state["buffer"]) == with_codec or not state["buffer"]
+    first = trained_prompts(trainer)
+
+    resumed, trainer2, workers2 = make(
+        24, trainer=FakeTrainer(version_=2), codec=codec, max_staleness=8, max_outstanding_groups=12
+    )
+    resumed.load_state_dict(state)
+    summary = bounded_run(resumed.run())
+    assert summary.data_exhausted and summary.steps == 6
+    assert sorted(first + trained_prompts(trainer2)) == list(range(24))
+    assert not set(trainer.trained_group_ids) & set(trainer2.trained_group_ids)
+    check_workers(workers2)
+
+
+def test_load_state_dict_checks_the_trainer_version():
+    ctrl, _, _ = make(8, num_steps=1)
+    bounded_run(ctrl.run())
+    state = ctrl.state_dict()
+    other, _, _ = make(8)  # trainer at version 0, state at version 1
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="trainer_version 1 but the trainer is at 0"):
+        bounded_run(other.run())
+    with pytest.raises(ValueError, match="dataset of 8 prompts but this one has 9"):
+        make(9)[0].load_state_dict(state)
+
+
+def test_metrics():
+    workers = [FakeRolloutWorker(f"w{i}", latency=0.01) for i in range(2)]
+    ctrl, _, _ = make(16, workers, trainer=FakeTrainer(train_latency=0.005))
+    metrics: list[dict] = []
+    bounded_run(ctrl.run(on_step=lambda step, m: metrics.append(m)))
+    for m in metrics:
+        assert 0.0 <= m["trainer_idle_fraction"] <= 1.0
+        assert 0.0 <= m["generation_idle_fraction"] <= 1.0
+        assert m["samples_per_s"] > 0 and 1 <= m["groups_admitted"] <= 4
+        for key in ("groups_dropped_stale", "groups_retried", "total/admitted", "staleness/lag_0", "train/loss"):
+            assert key in m
+    last = metrics[-1]
+    assert sum(m["groups_admitted"] for m in metrics) == last["total/admitted"]
+    assert last["total/admitted"] + last["total/dropped_stale"] == 16 and last["total/weight_pushes"] >= 2
+    json.dumps(metrics)
+
+
+def test_async_on_step_callback_is_awaited():
+    ctrl, _, _ = make(8)
+    seen = []
+
+    async def on_step(step, metrics):
+        await asyncio.sleep(0.01)
+        seen.append(ctrl.state_dict()["step"])
+
+    bounded_run(ctrl.run(on_step=on_step))
+    assert seen == [1, 2]

@@ -1,0 +1,349 @@
+"""Communicator teardown/rebuild (parallel/comms.py and the worker/Policy verbs).
+
+The multi-rank tests spawn two CPU ranks (gloo) with torch.multiprocessing; each rank runs a
+`PolicyWorker` directly and writes its results to a file the test reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+from conftest import random_batch
+from helpers import policy_cfg
+
+from posttrain.algorithms.losses import ClippedPGLoss
+from posttrain.parallel import comms
+from posttrain.parallel.mesh import free_port
+from posttrain.policy.lifecycle import PhaseError
+
+WORLD = 2
+FD_TOLERANCE = 4  # open file descriptors
+THREAD_TOLERANCE = 2
+RSS_TOLERANCE = 32 * 2**20  # bytes, over 50 cycles (allocator noise; a leaked gloo group costs ~0.1 MB and 3 threads)
+
+
+# ---------------------------------------------------------------------------------------------- harness
+
+
+def run_ranks(fn, tmp_path: Path, *args, world: int = WORLD, timeout_s: float = 240) -> list[dict]:
+    """Run `fn(rank, world, port, out_dir, *args)` on `world` spawned ranks; returns what each saved."""
+    ctx = tmp.start_processes(
+        fn, args=(world, free_port(), str(tmp_path), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"ranks did not finish within {timeout_s}s")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def make_worker(rank: int, world: int, port: int, **overrides):
+    from posttrain.policy.worker import PolicyWorker
+
+    os.environ["LOCAL_RANK"] = str(rank)  # one GPU per rank where there are GPUs
+    torch.manual_seed(0)
+    cfg = policy_cfg(cluster={"backend": "ray", "num_workers": world}, **overrides)
+    return PolicyWorker(cfg, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
+
+
+def rank_batch(rank: int, world: int, step: int):
+    batch = random_batch(8, 16, rl=True, seed=step)
+    return batch[rank::world]
+
+
+def local_params(worker) -> dict[str, torch.Tensor]:
+    from posttrain.policy.worker import local_tensor
+
+    return {n: local_tensor(p).detach().clone() for n, p in worker.model.named_parameters()}
+
+
+def proc_usage() -> dict[str, int]:
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss": rss}
+
+
+def save(out_dir: str, rank: int, result: dict) -> None:
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+# ---------------------------------------------------------------------------------------------- rank bodies
+
+
+def _train_three_steps(worker, rank, world, cycle: bool) -> tuple[list[dict], list[dict]]:
+    losses, stats = [], []
+    for step in range(3):
+        if cycle:  # the colocated sequence: offload, tear down, (engine generates), back, rebuild
+            worker.offload_after_refit()
+            stats.append(worker.teardown_comms())
+            worker.prepare_for_training()
+            stats.append(worker.rebuild_comms())
+        losses.append(worker.train(rank_batch(rank, world, step), ClippedPGLoss()))
+    return losses, stats
+
+
+def _bitwise_rank(rank, world, port, out_dir):
+    cycled = make_worker(rank, world, port)
+    plain = make_worker(rank, world, port)  # a second model on its own DP group in the same ranks
+    losses_c, stats = _train_three_steps(cycled, rank, world, cycle=True)
+    losses_p, _ = _train_three_steps(plain, rank, world, cycle=False)
+    save(
+        out_dir,
+        rank,
+        dict(
+            losses_c=losses_c,
+            losses_p=losses_p,
+            params_c=local_params(cycled),
+            params_p=local_params(plain),
+            stats=stats,
+            logprobs_c=cycled.get_logprobs(rank_batch(rank, world, 9)),
+            logprobs_p=plain.get_logprobs(rank_batch(rank, world, 9)),
+        ),
+    )
+
+
+def _cycles_rank(rank, world, port, out_dir, cycles):
+    worker = make_worker(rank, world, port)
+    worker.train(rank_batch(rank, world, 0), ClippedPGLoss())
+    for _ in range(3):  # warm-up: first-use allocations are not leaks
+        worker.teardown_comms()
+        worker.rebuild_comms()
+    before = proc_usage()
+    start = time.perf_counter()
+    for _ in range(cycles):
+        worker.teardown_comms()
+        worker.rebuild_comms()
+    per_cycle_s = (time.perf_counter() - start) / cycles
+    after = proc_usage()
+    metrics = worker.train(rank_batch(rank, world, 1), ClippedPGLoss())
+    save(out_dir, rank, dict(before=before, after=after, per_cycle_s=per_cycle_s, loss=metrics["loss"]))
+
+
+def _guards_rank(rank, world, port, out_dir):
+    worker = make_worker(rank, world, port)
+    batch = rank_batch(rank, world, 0)
+    out: dict = {}
+    first = worker.teardown_comms()
+    second = worker.teardown_comms()
+    out["teardown"] = (first, second, worker.get_state()["comms_up"])
+    errors = {}
+    for name, call in {
+        "train": lambda: worker.train(batch, ClippedPGLoss()),
+        "get_logprobs": lambda: worker.get_logprobs(batch),
+        "full_state_dict": lambda: worker.full_state_dict(),
+    }.items():
+        with pytest.raises(PhaseError) as e:
+            call()
+        errors[name] = str(e.value)
+    worker.begin_train_step(ClippedPGLoss())  # not collective: allowed
+    with pytest.raises(PhaseError) as e:
+        worker.train_microbatch(batch)
+    errors["train_microbatch"] = str(e.value)
+    worker.abort_train_step()
+    with pytest.raises(comms.CommsError) as e:  # a stray use past the guard fails loudly, not on another group
+        with torch.no_grad():
+            worker.model(input_ids=batch["input_ids"])
+    errors["stray_forward"] = str(e.value)
+    out["errors"] = errors
+    rebuilt = worker.rebuild_comms()
+    again = worker.rebuild_comms()
+    out["rebuild"] = (rebuilt, again, worker.get_state()["comms_up"])
+    worker.begin_train_step(ClippedPGLoss())
+    with pytest.raises(PhaseError) as e:
+        worker.teardown_comms()
+    errors["teardown_in_step"] = str(e.value)
+    worker.abort_train_step()
+    out["loss"] = worker.train(batch, ClippedPGLoss())["loss"]
+    save(out_dir, rank, out)
+
+
+def _destroy_failure_rank(rank, world, port, out_dir):
+    worker = make_worker(rank, world, port)
+    batch = rank_batch(rank, world, 0)
+    real = comms._destroy
+    calls = []
+
+    def flaky(pg):
+        calls.append(pg.group_name)
+        if rank == 1 and len(calls) == 1:
+            raise RuntimeError("injected destroy failure")
+        real(pg)
+
+    comms._destroy = flaky
+    out: dict = {}
+    try:
+        worker.teardown_comms()
+        out["first"] = "ok"
+    except comms.CommsError as e:
+        out["first"] = str(e)
+    out["comms_up_after_failure"] = worker.get_state()["comms_up"]
+    with pytest.raises(PhaseError):
+        worker.train(batch, ClippedPGLoss())
+    out["retry"] = worker.teardown_comms()
+    out["rebuild"] = worker.rebuild_comms()
+    out["loss"] = worker.train(batch, ClippedPGLoss())["loss"]
+    save(out_dir, rank, out)
+
+
+def _create_failure_rank(rank, world, port, out_dir):
+    worker = make_worker(rank, world, port)
+    batch = rank_batch(rank, world, 0)
+    real = comms._create
+    calls = []
+
+    def flaky(spec):
+        calls.append(spec.desc)
+        if len(calls) == 1:  # on every rank, before any rendezvous, so the retry stays matched
+            raise RuntimeError("injected create failure")
+        return real(spec)
+
+    comms._create = flaky
+    worker.teardown_comms()
+    out: dict = {}
+    with pytest.raises(comms.CommsError) as e:
+        worker.rebuild_comms()
+    out["error"] = str(e.value)
+    out["comms_up_after_failure"] = worker.get_state()["comms_up"]
+    out["retry"] = worker.rebuild_comms()
+    out["loss"] = worker.train(batch, ClippedPGLoss())["loss"]
+    save(out_dir, rank, out)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.distributed
+def test_teardown_rebuild_between_steps_is_bit_identical(tmp_path):
+    for r in run_ranks(_bitwise_rank, tmp_path):
+        assert r["losses_c"] == r["losses_p"]  # every metric of every step, exactly
+        assert r["params_c"].keys() == r["params_p"].keys()
+        for name in r["params_c"]:
+            assert torch.equal(r["params_c"][name], r["params_p"][name]), name
+        assert torch.equal(r["logprobs_c"], r["logprobs_p"])
+        teardowns, rebuilds = r["stats"][0::2], r["stats"][1::2]
+        assert all(s["groups_destroyed"] == 1 and s["seconds"] >= 0 for s in teardowns)
+        assert all(s["groups_created"] == 1 and s["groups_destroyed"] == 0 for s in rebuilds)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fifty_cycles_do_not_leak_fds_threads_or_memory(tmp_path):
+    results = run_ranks(_cycles_rank, tmp_path, 50, timeout_s=400)
+    for rank, r in enumerate(results):
+        b, a = r["before"], r["after"]
+        print(
+            f"rank {rank}: {r['per_cycle_s'] * 1e3:.1f} ms per teardown+rebuild cycle; "
+            f"fds {b['fds']}->{a['fds']}, threads {b['threads']}->{a['threads']}, "
+            f"rss {b['rss'] / 2**20:.1f}->{a['rss'] / 2**20:.1f} MiB"
+        )
+        assert a["fds"] - b["fds"] <= FD_TOLERANCE
+        assert a["threads"] - b["threads"] <= THREAD_TOLERANCE
+        assert a["rss"] - b["rss"] <= RSS_TOLERANCE
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+@pytest.mark.distributed
+def test_idempotency_and_guards(tmp_path):
+    for r in run_ranks(_guards_rank, tmp_path):
+        first, second, up = r["teardown"]
+        assert first["groups_destroyed"] == 1 and second["groups_destroyed"] == 0 and up is False
+        for name in ("train", "get_logprobs", "full_state_dict", "train_microbatch"):
+            assert "call rebuild_comms() first" in r["errors"][name], name
+            assert name in r["errors"][name]
+        assert "torn down" in r["errors"]["stray_forward"]
+        assert "rebuild_comms()" in r["errors"]["stray_forward"]
+        assert "split train step is open" in r["errors"]["teardown_in_step"]
+        rebuilt, again, up = r["rebuild"]
+        assert rebuilt["groups_created"] == 1 and again["groups_created"] == 0 and up is True
+        assert r["loss"] == r["loss"]  # finite
+
+
+@pytest.mark.distributed
+def test_failed_destroy_names_the_group_and_a_retry_finishes(tmp_path):
+    r0, r1 = run_ranks(_destroy_failure_rank, tmp_path)
+    assert r0["first"] == "ok"
+    assert "failed to destroy process group" in r1["first"] and "(dp," in r1["first"]
+    assert "injected destroy failure" in r1["first"] and "call teardown_comms() again" in r1["first"]
+    assert r0["comms_up_after_failure"] is False and r1["comms_up_after_failure"] is False
+    assert r0["retry"]["groups_destroyed"] == 0 and r1["retry"]["groups_destroyed"] == 1
+    assert r0["rebuild"]["groups_created"] == 1 and r1["rebuild"]["groups_created"] == 1
+    assert r0["loss"] == r1["loss"]
+
+
+@pytest.mark.distributed
+def test_failed_create_names_the_group_and_a_retry_finishes(tmp_path):
+    for r in run_ranks(_create_failure_rank, tmp_path):
+        assert "failed to create process group" in r["error"] and "(dp," in r["error"]
+        assert "call rebuild_comms() again" in r["error"]
+        assert r["comms_up_after_failure"] is False
+        assert r["retry"]["groups_created"] == 1
+
+
+def test_single_rank_without_fsdp_has_nothing_to_tear_down():
+    from posttrain.policy.policy import Policy
+
+    policy = Policy(policy_cfg())
+    try:
+        assert policy.teardown_comms()[0]["groups_destroyed"] == 0
+        with pytest.raises(PhaseError, match=r"train\(\) needs the worker's communicators"):
+            policy.train(random_batch(8, 16, rl=True), ClippedPGLoss())
+        assert policy.rebuild_comms()[0]["groups_created"] == 0
+        assert policy.get_states()[0]["comms_up"] is True
+    finally:
+        policy.shutdown()
+
+
+@pytest.mark.distributed
+def test_policy_verbs_on_two_ray_ranks(ray_session):
+    from posttrain.policy.policy import Policy
+
+    policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 2}))
+    try:
+        batch = random_batch(8, 16, rl=True)
+        stats = policy.teardown_comms()
+        assert [s["groups_destroyed"] for s in stats] == [1, 1]
+        with pytest.raises(PhaseError, match="rebuild_comms"):
+            policy.get_logprobs(batch)  # refused on the driver, no rank contacted
+        assert [s["comms_up"] for s in policy.get_states()] == [False, False]
+        assert [s["groups_created"] for s in policy.rebuild_comms()] == [1, 1]
+        assert policy.train(batch, ClippedPGLoss())["grad_norm"] > 0
+        assert [s["comms_up"] for s in policy.get_states()] == [True, True]
+    finally:
+        policy.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- GPU tier
+
+
+def _gpu_rank(rank, world, port, out_dir):
+    cycled = make_worker(rank, world, port, parallel={"fsdp": "always"})
+    plain = make_worker(rank, world, port, parallel={"fsdp": "always"})
+    cycled.train(rank_batch(rank, world, 0), ClippedPGLoss())  # opens the NCCL communicator
+    down = cycled.teardown_comms()
+    up = cycled.rebuild_comms()
+    losses_c, _ = _train_three_steps(cycled, rank, world, cycle=True)
+    plain.train(rank_batch(rank, world, 0), ClippedPGLoss())
+    losses_p, _ = _train_three_steps(plain, rank, world, cycle=False)
+    params_c, params_p = local_params(cycled), local_params(plain)
+    same = all(torch.equal(params_c[n], params_p[n]) for n in params_c)
+    save(out_dir, rank, dict(down=down, up=up, same_losses=losses_c == losses_p, same_params=same))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_teardown_frees_nccl_memory_and_training_is_identical(tmp_path):
+    world = min(torch.cuda.device_count(), 2)  # NCCL needs one GPU per rank
+    for rank, r in enumerate(run_ranks(_gpu_rank, tmp_path, world=world)):
+        freed = r["down"]["device_freed_bytes"]
+        print(f"rank {rank}: teardown freed {freed} bytes of device memory ({r['down']})")
+        assert r["down"]["groups_destroyed"] == 1 and freed > 0
+        assert r["up"]["groups_created"] == 1
+        assert r["same_losses"] and r["same_params"]
