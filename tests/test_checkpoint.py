@@ -147,11 +147,15 @@ def test_phases_save_anywhere_load_on_device(tmp_path):
     policy.abort_train_step()
 
 
-def test_extra_state_must_be_json(tmp_path):
+def test_bad_extra_state_or_target_is_refused(tmp_path):
     policy = Policy(cfg())
     with pytest.raises(ValueError, match="extra_state must be JSON-serializable"):
         policy.save_checkpoint(tmp_path / "ckpt", extra_state={"t": torch.zeros(2)})
     assert not any(tmp_path.iterdir())
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is not a posttrain checkpoint; saving would replace it"):
+        policy.save_checkpoint(tmp_path / "run")
 
 
 @pytest.mark.parametrize("tied", [False, True])

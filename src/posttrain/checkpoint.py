@@ -422,6 +422,11 @@ def save_checkpoint(
     `extra_state` is any JSON-serializable dict, given back by `load_checkpoint`.
     """
     final = Path(path).absolute()
+    if final.exists() and not (final / METADATA_FILE).is_file() and any(final.iterdir()):
+        raise ValueError(
+            f"'{final}' exists and is not a posttrain checkpoint; saving would replace it. "
+            "Pass a new directory (or an earlier checkpoint to overwrite)"
+        )
     extra_json = _to_json(extra_state or {}, "extra_state")
     meta_json = _to_json(_metadata(state, trainer_version, identity or {}), "identity")
     tmp = _shared_tmp_dir(final)
