@@ -66,6 +66,28 @@ def test_resume_reproduces_losses_and_parameters_exactly(tmp_path):
     resumed.shutdown()
 
 
+def test_fsdp_checkpoint_with_tied_embeddings_loads_into_a_plain_model(tmp_path, monkeypatch):
+    """One in-process FSDP2 rank (DTensor parameters and optimizer state, tied embeddings) -> plain module."""
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test; the process group is destroyed
+    tied = {"tiny": {"tie_word_embeddings": True}}
+    try:
+        sharded = Policy(cfg(model=tied, parallel={"fsdp": "always"}))
+        train(sharded, range(2))
+        sharded.save_checkpoint(tmp_path / "ckpt")
+        saved = params_of(sharded)
+        losses = train(sharded, range(2, 4))
+        plain = Policy(cfg(model={**tied, "seed": 1}))
+        plain.load_checkpoint(tmp_path / "ckpt")
+        assert_params_equal(params_of(plain), saved)
+        torch.testing.assert_close(train(plain, range(2, 4)), losses, rtol=1e-6, atol=1e-7)
+        worker = plain.group.workers[0]
+        assert worker.model.lm_head.weight is worker.model.get_input_embeddings().weight
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_saving_before_the_first_step_leaves_the_optimizer_untouched(tmp_path):
     saved = Policy(cfg())
     saved.save_checkpoint(tmp_path / "step0")

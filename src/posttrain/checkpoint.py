@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.logging import get_logger
 
@@ -250,13 +251,13 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------- tensors
 
 
-def tied_aliases(model: torch.nn.Module) -> set[str]:
-    """Names under which a parameter appears a second time (tied embeddings); they are stored once."""
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{second name: first name} of parameters that appear twice (tied embeddings); stored once."""
     first: dict[int, str] = {}
-    aliases = set()
+    aliases = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in first:
-            aliases.add(name)
+            aliases[name] = first[id(p)]
         first.setdefault(id(p), name)
     return aliases
 
@@ -356,7 +357,7 @@ def _load_rng(directory: Path, rank: int) -> None:
             s["numpy_gauss"],
         )
     )
-    cuda = [t[f"torch_cuda_{i}"] for i in range(len(t)) if f"torch_cuda_{i}" in t]
+    cuda = [t[f"torch_cuda_{i}"] for i in range(sum(k.startswith("torch_cuda_") for k in t))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
 
@@ -517,6 +518,8 @@ def load_checkpoint(
     has_optimizer = train_state["optimizer_has_state"]
     flat, model_sd, optim_sd, reference = _load_targets(state, has_optimizer, meta["has_reference"])
     _dcp_load(flat, root, no_dist=not _distributed())
+    for alias, source in tied_aliases(state.model).items():
+        model_sd[alias] = model_sd[source]
     set_model_state_dict(state.model, model_sd)
     if optim_sd is not None:
         _apply_hyperparameters(optim_sd["param_groups"], train_state["optimizer_param_groups"])
@@ -555,11 +558,9 @@ def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
 
 
 def _consolidated_model(root: Path, dtype: torch.dtype | None):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tied = tied_aliases(model)
+    tied = set(tied_aliases(model))
     missing, unexpected = model.load_state_dict(_full_model_state(root), strict=False)
     if set(missing) - tied or unexpected:
         raise ValueError(

@@ -36,6 +36,22 @@ class Policy:
     def _shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
         return [(s,) for s in shard_batch(batch, self.world_size)]
 
+    def _uneven_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
+        """Near-equal contiguous shards of any batch size; a rank left without rows gets one masked-out
+        row, so it still takes part in the collectives and contributes nothing."""
+        b = batch.batch_size[0]
+        bounds = [round(r * b / self.world_size) for r in range(self.world_size + 1)]
+        shards = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi > lo:
+                shards.append((batch[lo:hi],))
+            else:
+                filler = batch[:1].clone()
+                filler["sample_mask"] = torch.zeros_like(filler["sample_mask"])
+                filler["token_mask"] = torch.zeros_like(filler["token_mask"])
+                shards.append((filler,))
+        return shards
+
     def _train_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
         """Rank r gets, for every global batch g in order, the r-th slice of g (so DP size never changes
         which samples form an optimizer step)."""
@@ -106,7 +122,7 @@ class Policy:
         """Start `train_microbatch` on every rank with its shard; returns the Ray refs (or results)."""
         self.lifecycle.check("train_microbatch", TRAIN_ONLY, collective=True, transition=False, in_step=True)
         validate_batch(batch)
-        return self.group.submit("train_microbatch", per_rank=self._shards(batch))
+        return self.group.submit("train_microbatch", per_rank=self._uneven_shards(batch))
 
     @verb(*TRAIN_ONLY, collective=True, in_step=True)
     def train_microbatch(self, batch: TensorDict) -> None:

@@ -1,0 +1,199 @@
+"""Adapters that plug the real parts into the asynchronous GRPO controller (async_grpo.py).
+
+- `RayRolloutWorker`: a rollout worker living in a Ray actor. Its object refs are awaited with
+  asyncio (not `ray.wait`, which does not reliably see cross-process readiness from inside a running
+  event loop); the controller bounds every await. A dead actor becomes `WorkerLostError` (the worker
+  is retired, its groups retried elsewhere); a `RolloutFailure` raised inside the actor stays one.
+- `PolicyTrainer`: the driver-side `Policy` as the controller's `Trainer`. Policy verbs block, so they
+  run one at a time on a daemon thread (`SerialThread`): the event loop stays free to stream rollouts,
+  calls never interleave on the Policy, and a hung call cannot block interpreter exit. The version is
+  read back from the ranks after every finish (the Policy is the source of truth; a skipped step
+  leaves it unchanged).
+- `policy_prepare_group`: the `prepare_group` hook for a real run: the caller's `to_batch` (rewards ->
+  advantages -> batch, from the synchronous loop's helpers), then prev and reference logprobs from the
+  Policy, on the same thread and at the version the group is trained at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.algorithms.async_types import GroupResult, PrepareGroup, RolloutFailure, WorkerLostError
+from posttrain.algorithms.staleness import BufferedGroup
+from posttrain.data.normalization import LossFn
+from posttrain.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def _deliver(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if fut.cancelled():
+        return  # the caller gave up (timeout); the result is dropped
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+class SerialThread:
+    """Runs blocking calls one at a time on one daemon thread and awaits them from asyncio."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, fut, loop = item
+            try:
+                ok, value = True, fn(*args)
+            except BaseException as e:  # handed to the awaiting coroutine
+                ok, value = False, e
+            try:
+                loop.call_soon_threadsafe(_deliver, fut, ok, value)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                pass
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the thread, after every call submitted before it."""
+        if not self._thread.is_alive():
+            raise RuntimeError("SerialThread is closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((fn, args, fut, loop))
+        return await fut
+
+    def close(self) -> None:
+        """Stop the thread after the calls already queued (does not wait for them)."""
+        self._queue.put(None)
+
+
+class RayRolloutWorker:
+    """A `RolloutWorker` over a Ray actor that has `generate_group(prompt, weight_version)` and
+    `set_weights(version, weights)` methods (sync or async) with the same meaning.
+
+    Under Ray, `weights` should be an ObjectRef (one `ray.put` for all workers), which Ray resolves
+    before the actor's method runs.
+    """
+
+    def __init__(self, actor: Any, name: str = "") -> None:
+        self.actor = actor
+        self.name = name or repr(actor)
+
+    async def generate_group(self, prompt: Any, weight_version: int) -> GroupResult:
+        return await self._await(self.actor.generate_group.remote(prompt, weight_version), "generate_group")
+
+    async def set_weights(self, version: int, weights: Any) -> None:
+        await self._await(self.actor.set_weights.remote(version, weights), "set_weights")
+
+    async def _await(self, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            try:
+                ray.cancel(ref)
+            except Exception as e:  # best effort: the controller has already moved on
+                log.debug("ray.cancel(%s) failed: %s", what, e)
+            raise
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, (RolloutFailure, WorkerLostError)):
+                raise cause from e
+            raise
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.NodeDiedError,
+            ray.exceptions.ObjectLostError,
+        ) as e:
+            raise WorkerLostError(f"{self.name}.{what}: the Ray actor is gone ({type(e).__name__})") from e
+
+
+class PolicyTrainer:
+    """The driver-side `Policy` (split train step) as the controller's `Trainer`.
+
+    `export_fn` returns the weights handle given to every rollout worker's `set_weights` after a step
+    (e.g. `lambda: ray.put(policy.full_state_dict())`); None when the engine pulls weights itself.
+    """
+
+    def __init__(self, policy: Any, export_fn: Callable[[], Any] | None = None) -> None:
+        self.policy = policy
+        self.export_fn = export_fn
+        self._thread = SerialThread("posttrain-policy")
+        self._version = self._read_version()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _read_version(self) -> int:
+        versions = {int(s["trainer_version"]) for s in self.policy.get_states()}
+        if len(versions) != 1:
+            raise RuntimeError(f"the policy ranks disagree on trainer_version: {sorted(versions)}")
+        return versions.pop()
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Any blocking call, serialized with the Policy verbs."""
+        return await self._thread.call(fn, *args)
+
+    async def begin(self, loss_fn: LossFn) -> None:
+        await self.call(self.policy.begin_train_step, loss_fn)
+
+    async def train_group(self, batch: Any) -> None:
+        await self.call(self.policy.train_microbatch, batch)
+
+    async def finish(self) -> dict[str, float]:
+        metrics = await self.call(self.policy.finish_train_step)
+        self._version = await self.call(self._read_version)
+        return metrics
+
+    async def abort(self) -> None:
+        await self.call(self.policy.abort_train_step)
+
+    async def export_weights(self) -> Any:
+        return await self.call(self.export_fn) if self.export_fn is not None else None
+
+    def add_logprobs(self, batch: Any, reference: bool) -> Any:
+        """Blocking: fill `prev_logprobs` (and `reference_logprobs`) of `batch` from the Policy."""
+        batch["prev_logprobs"] = self.policy.get_logprobs(batch)
+        if reference:
+            batch["reference_logprobs"] = self.policy.get_reference_policy_logprobs(batch)
+        elif "reference_logprobs" not in batch.keys():
+            batch["reference_logprobs"] = batch["prev_logprobs"].clone()
+        return batch
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+def policy_prepare_group(
+    trainer: PolicyTrainer, to_batch: Callable[[BufferedGroup], Any], reference: bool = True
+) -> PrepareGroup:
+    """A `prepare_group` hook: `to_batch(group)` (None filters the group), then the Policy's logprobs.
+
+    `reference=False` skips the reference model (no KL term) and copies prev_logprobs in its place.
+    """
+
+    def prepare_blocking(group: BufferedGroup, trainer_version: int) -> Any:
+        if trainer.version != trainer_version:
+            raise RuntimeError(
+                f"group {group.group_id} is prepared for version {trainer_version} but the policy is at "
+                f"{trainer.version}"
+            )
+        batch = to_batch(group)
+        return None if batch is None else trainer.add_logprobs(batch, reference)
+
+    async def prepare(group: BufferedGroup, trainer_version: int) -> Any:
+        return await trainer.call(prepare_blocking, group, trainer_version)
+
+    return prepare

@@ -1,0 +1,93 @@
+"""A preallocated KV cache of fixed slots for continuous batching, plugged into Hugging Face models.
+
+Each of `num_slots` slots holds one sequence, keys and values at positions 0..max_len-1, laid out
+`[slots, kv_heads, max_len, head_dim]` per layer. Active sequences always occupy slots 0..n-1 (the
+engine moves the last sequence into the hole a finished one leaves), so a decode step attends over
+the view `[:n, :, :L]` with no copy and no per-step concatenation.
+
+The object is passed to the model as `past_key_values`; Hugging Face attention layers call
+`update(key_states, value_states, layer_idx)` and attend over what it returns. Before each forward
+the engine says what is being written (`plan_prefill` or `plan_decode`) and passes its own 4-D mask,
+which transformers uses as is (no mask building per step). Buffers are allocated on the first
+forward, from the shapes the model hands in, so any head layout works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """Per-slot static keys/values (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int) -> None:
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._mode = "idle"
+        self._start = 0
+        self._rows = 0
+        self._positions: torch.Tensor | None = None
+        self._row_index: torch.Tensor | None = None
+        self._length = 0
+
+    # ------------------------------------------------------------------ planning
+
+    def plan_prefill(self, first_slot: int, rows: int) -> None:
+        """The next forward writes `rows` prompts, from position 0, into slots first_slot.. ."""
+        self._mode, self._start, self._rows = "prefill", first_slot, rows
+
+    def plan_decode(self, rows: int, positions: torch.Tensor, length: int) -> None:
+        """The next forward writes one token per slot 0..rows-1 at `positions` [rows] and attends over
+        positions < `length`."""
+        self._mode, self._rows, self._positions, self._length = "decode", rows, positions, length
+        if self._row_index is None or self._row_index.shape[0] < rows:
+            self._row_index = torch.arange(self.num_slots, device=positions.device)
+
+    # ------------------------------------------------------------------ the HF hook
+
+    def _allocate(self, layer: int, like: torch.Tensor) -> None:
+        shape = (self.num_slots, like.shape[1], self.max_len, like.shape[3])
+        self.keys[layer] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.values[layer] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this forward's keys/values [b, kv_heads, q, head_dim]; return what to attend over."""
+        if self.keys[layer_idx] is None:
+            self._allocate(layer_idx, key_states)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self._mode == "prefill":
+            q = key_states.shape[2]
+            k[self._start : self._start + self._rows, :, :q] = key_states
+            v[self._start : self._start + self._rows, :, :q] = value_states
+            return key_states, value_states
+        if self._mode == "decode":
+            rows = self._row_index[: self._rows]
+            k[rows, :, self._positions] = key_states[:, :, 0]
+            v[rows, :, self._positions] = value_states[:, :, 0]
+            return k[: self._rows, :, : self._length], v[: self._rows, :, : self._length]
+        raise RuntimeError("SlotKVCache.update called without plan_prefill/plan_decode (engine bug)")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Transformers asks this only when no position ids are passed; the engine always passes them."""
+        return 0
+
+    # ------------------------------------------------------------------ slot moves and memory
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst`."""
+        for k, v in zip(self.keys, self.values):
+            if k is not None:
+                k[dst, :, :length] = k[src, :, :length]
+                v[dst, :, :length] = v[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    def free(self) -> None:
+        """Drop the buffers (they are allocated again on the next forward)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self._mode = "idle"

@@ -1,0 +1,126 @@
+"""Typed contracts of the generation engine: its config, the sampling parameters of a request, and the
+result of a finished request.
+
+Logprob convention: `GenerationResult.logprobs[i]` is the logprob of `token_ids[i]` under
+`softmax(logits / temperature)` over the whole vocabulary, i.e. exactly what the trainer computes with
+`logprob_temperature = temperature` (models/logprobs.py). Top-k / top-p change which tokens can be
+drawn, not the distribution the logprob is taken under (that is what the trainer sees too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from posttrain.config import Config
+
+FinishReason = Literal["stop", "length"]
+
+
+class GenerationConfig(Config):
+    """How an engine is laid out: batch slots, context length, device and dtype."""
+
+    max_num_seqs: int = Field(
+        64, ge=1, description="sequences decoded together (KV-cache slots); more requests wait their turn"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="longest prompt + completion a slot holds; None = the model's max_position_embeddings",
+    )
+    max_prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="token budget of one prefill forward (rows x padded prompt length); "
+        "a single longer prompt is prefilled alone",
+    )
+    device: str | None = Field(None, description="device of the engine; None = where the model already is")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and KV-cache dtype; auto = the model's dtype"
+    )
+    seed: int = Field(0, description="requests without a seed draw from streams derived from this seed")
+
+
+class SamplingParams(Config):
+    """How to sample one request (or every request of a `generate` call)."""
+
+    temperature: float = Field(
+        1.0, description="logits are divided by this before sampling and for the returned logprobs"
+    )
+    top_p: float = Field(1.0, description="nucleus sampling: keep the smallest top set with mass >= top_p")
+    top_k: int = Field(0, description="keep the k most likely tokens; 0 = no top-k")
+    max_new_tokens: int = Field(16, description="at most this many tokens are generated")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="generation stops after any of these (the token is kept)"
+    )
+    stop_at_eos: bool = Field(True, description="also stop at the tokenizer's eos token")
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="stop once the completion text contains one of these (tokens kept up to the one "
+        "that completes it)",
+    )
+    seed: int | None = Field(
+        None,
+        description="seed of the request's random stream; request k of a generate() call uses stream "
+        "(seed, k). None = derived from the engine seed and the request id",
+    )
+    greedy: bool = Field(False, description="take the most likely token (argmax) instead of sampling")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(
+                f"temperature must be > 0 (got {v}); for greedy decoding set greedy=True "
+                "(logprobs are then reported at this temperature)"
+            )
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {v}); use 1.0 to turn nucleus sampling off")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"top_k must be >= 0 (got {v}); use 0 to turn top-k off")
+        return v
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {v}); ask for at least one new token")
+        return v
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop_strings may not contain the empty string; remove it")
+        return v
+
+
+@dataclass
+class GenerationResult:
+    """One finished request: the completion (prompt excluded), its logprobs and why it ended."""
+
+    request_id: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    weight_version: int = 0
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt followed by completion."""
+        return self.prompt_token_ids + self.token_ids

@@ -1,0 +1,183 @@
+"""The adapters of the asynchronous controller: the real `Policy` as its trainer, and Ray rollout actors.
+
+The Policy tests train a tiny model on CPU through the split step (a few seconds). The Ray test starts
+rollout actors, kills one mid-run and checks its groups are retried on the others (`distributed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
+from posttrain.algorithms.async_types import TrainerError
+from posttrain.algorithms.async_workers import (
+    PolicyTrainer,
+    RayRolloutWorker,
+    SerialThread,
+    policy_prepare_group,
+)
+from posttrain.algorithms.dryrun import FakeRolloutWorker, FakeTrainer, fake_dataset, make_fake_prepare
+from posttrain.algorithms.staleness import BufferedGroup, GroupState
+from posttrain.data.batch import make_batch
+
+HARD_TIMEOUT_S = 60.0
+
+
+def bounded_run(coro, timeout: float = HARD_TIMEOUT_S):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def cfg(**overrides) -> AsyncGRPOConfig:
+    base = dict(
+        target_prompt_groups_per_step=2,
+        max_staleness=1,
+        shuffle=False,
+        request_timeout_s=20.0,
+        weight_sync_timeout_s=20.0,
+        trainer_timeout_s=30.0,
+        admission_timeout_s=40.0,
+        shutdown_timeout_s=5.0,
+    )
+    return AsyncGRPOConfig(**(base | overrides))
+
+
+def test_serial_thread_runs_calls_in_order_and_survives_a_hung_call():
+    thread = SerialThread("test-serial")
+    release = threading.Event()
+    order = []
+
+    async def body():
+        assert await thread.call(lambda: order.append(1) or threading.current_thread().name) == "test-serial"
+        with pytest.raises(ZeroDivisionError):
+            await thread.call(lambda: 1 / 0)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(thread.call(release.wait), 0.05)
+        queued = asyncio.ensure_future(thread.call(order.append, 2))
+        await asyncio.sleep(0.05)
+        assert order == [1]  # serialized behind the hung call
+        release.set()
+        await queued
+        assert order == [1, 2]
+
+    bounded_run(body(), 5.0)
+    thread.close()
+
+
+# --------------------------------------------------------------------------- the real Policy
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from posttrain.policy.config import PolicyConfig
+    from posttrain.policy.policy import Policy
+
+    p = Policy(PolicyConfig(optimizer={"lr": 1e-3}))
+    yield p
+    p.shutdown()
+
+
+def to_batch(group: BufferedGroup) -> object:
+    """A stand-in for the sync loop's helpers: the group's samples as a batch with advantages."""
+    g = torch.Generator().manual_seed(group.group_id)
+    b, t = group.num_samples, 12
+    ids = torch.randint(4, 60, (b, t), generator=g)
+    token_mask = torch.ones(b, t)
+    token_mask[:, :3] = 0
+    rewards = torch.tensor([s["reward"] for s in group.samples])
+    adv = (rewards - rewards.mean())[:, None].expand(b, t).clone()
+    if adv.abs().sum() == 0:
+        return None
+    return make_batch(
+        input_ids=ids,
+        input_lengths=torch.full((b,), t),
+        token_mask=token_mask,
+        sample_mask=torch.ones(b),
+        advantages=adv,
+        generation_logprobs=-torch.rand(b, t, generator=g) - 2.0,
+    )
+
+
+def test_policy_trainer_trains_streamed_groups(policy):
+    trainer = PolicyTrainer(policy)
+    start = trainer.version
+    before = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    workers = [FakeRolloutWorker("w0", latency=0.01), FakeRolloutWorker("w1", latency=0.02)]
+    ctrl = AsyncGRPOController(
+        cfg(num_steps=2), fake_dataset(8), workers, trainer, policy_prepare_group(trainer, to_batch)
+    )
+    metrics = []
+    summary = bounded_run(ctrl.run(on_step=lambda step, m: metrics.append(m)))
+    assert summary.steps == 2 and trainer.version == start + 2
+    assert policy.get_states()[0] == {"phase": "TRAINING", "step_open": False, "comms_up": True,
+                                     "trainer_version": start + 2}
+    assert all(m["train/importance_weight"] > 0 for m in metrics)  # IS correction is on
+    after = policy.full_state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+    trainer.close()
+
+
+def test_policy_trainer_error_aborts_the_policy_step(policy):
+    trainer = PolicyTrainer(policy)
+    start = trainer.version
+    calls = []
+
+    def failing_to_batch(group: BufferedGroup):
+        calls.append(group.group_id)
+        if len(calls) == 2:  # the step is open: the first group is in
+            raise ValueError("advantage computation blew up")
+        return to_batch(group)
+
+    ctrl = AsyncGRPOController(
+        cfg(num_steps=2),
+        fake_dataset(8),
+        [FakeRolloutWorker("w0")],
+        trainer,
+        policy_prepare_group(trainer, failing_to_batch),
+    )
+    with pytest.raises(TrainerError, match="prepare_group\\(\\) failed: ValueError: advantage computation"):
+        bounded_run(ctrl.run())
+    state = policy.get_states()[0]
+    assert not state["step_open"] and state["trainer_version"] == start == trainer.version
+    assert len(ctrl.sampler) >= 2 and not ctrl.ledger.ids(GroupState.TRAINING)
+    trainer.close()
+
+
+# --------------------------------------------------------------------------- Ray rollout actors
+
+
+@pytest.mark.distributed
+def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
+    ray = ray_session
+    actor_cls = ray.remote(num_cpus=0)(FakeRolloutWorker)
+    actors = [
+        actor_cls.remote("r0", latency=0.05),
+        actor_cls.remote("r1", latency=0.02, fail_prompts={5: 1}, raise_failures=True),
+        actor_cls.remote("r2", latency=0.03),
+    ]
+    workers = [RayRolloutWorker(a, name=f"r{i}") for i, a in enumerate(actors)]
+    trainer = FakeTrainer(finish_latency=0.05)
+
+    def on_step(step, metrics):
+        if step == 1:
+            ray.kill(actors[0])
+
+    ctrl = AsyncGRPOController(
+        cfg(target_prompt_groups_per_step=3, max_staleness=8, max_in_flight_per_worker=2),
+        fake_dataset(18),
+        workers,
+        trainer,
+        make_fake_prepare(),
+    )
+    start = time.monotonic()
+    summary = bounded_run(ctrl.run(on_step=on_step))
+    assert time.monotonic() - start < 45
+    assert sorted(b.prompt_id for s in trainer.steps for b in s) == list(range(18))
+    assert list(summary.dead_workers) == [0] and "Ray actor is gone" in summary.dead_workers[0]
+    assert summary.totals["retried"] >= 1
+    for a in actors[1:]:
+        assert ray.get(a.__ray_call__.remote(lambda self: self.violations)) == []
