@@ -19,7 +19,13 @@ from posttrain.algorithms.async_types import (
     SamplesCodec,
     TrainerError,
 )
-from posttrain.algorithms.dryrun import FakeRolloutWorker, FakeTrainer, fake_dataset, jittered, make_fake_prepare
+from posttrain.algorithms.dryrun import (
+    FakeRolloutWorker,
+    FakeTrainer,
+    fake_dataset,
+    jittered,
+    make_fake_prepare,
+)
 from posttrain.algorithms.staleness import GroupState
 
 HARD_TIMEOUT_S = 10.0
@@ -108,8 +114,10 @@ def test_staleness_bound_never_exceeded(max_staleness):
     )
     steps: list[dict] = []
     summary = bounded_run(ctrl.run(on_step=lambda step, m: steps.append(m)))
-    lags = [version - weight_version for kind, _, weight_version, version in
-            (e for e in trainer.events if e[0] == "train")]
+    lags = [
+        version - weight_version
+        for kind, _, weight_version, version in (e for e in trainer.events if e[0] == "train")
+    ]
     assert lags and max(lags) <= max_staleness and min(lags) >= 0
     assert all(m["staleness/max"] <= max_staleness for m in steps)
     hist = sum(m[f"staleness/lag_{k}"] for m in steps for k in range(max_staleness + 1))
@@ -197,8 +205,10 @@ def test_straggler_within_staleness_is_trained_late():
     latency = lambda prompt, call: 0.15 if prompt == 0 else 0.002  # noqa: E731
     trainer = FakeTrainer(finish_latency=0.1)
     ctrl, trainer, workers = make(
-        12, [FakeRolloutWorker("w0", latency=latency), FakeRolloutWorker("w1", latency=latency)],
-        trainer, max_staleness=3,
+        12,
+        [FakeRolloutWorker("w0", latency=latency), FakeRolloutWorker("w1", latency=latency)],
+        trainer,
+        max_staleness=3,
     )
     bounded_run(ctrl.run())
     steps = [[b.prompt_id for b in s] for s in trainer.steps]
@@ -378,7 +388,13 @@ def test_metrics():
         assert 0.0 <= m["trainer_idle_fraction"] <= 1.0
         assert 0.0 <= m["generation_idle_fraction"] <= 1.0
         assert m["samples_per_s"] > 0 and 1 <= m["groups_admitted"] <= 4
-        for key in ("groups_dropped_stale", "groups_retried", "total/admitted", "staleness/lag_0", "train/loss"):
+        for key in (
+            "groups_dropped_stale",
+            "groups_retried",
+            "total/admitted",
+            "staleness/lag_0",
+            "train/loss",
+        ):
             assert key in m
     last = metrics[-1]
     assert sum(m["groups_admitted"] for m in metrics) == last["total/admitted"]

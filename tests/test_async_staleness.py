@@ -81,11 +81,15 @@ def test_data_cursor_epochs_shuffle_and_state():
 def test_config_validation_says_how_to_fix():
     with pytest.raises(ConfigError, match="set num_steps or num_epochs"):
         build_config(AsyncGRPOConfig, {"num_epochs": None})
-    with pytest.raises(ConfigError, match="max_outstanding_groups=2 is below target_prompt_groups_per_step=8"):
+    with pytest.raises(
+        ConfigError, match="max_outstanding_groups=2 is below target_prompt_groups_per_step=8"
+    ):
         build_config(AsyncGRPOConfig, {"max_outstanding_groups": 2})
     cfg = AsyncGRPOConfig(max_staleness=2, target_prompt_groups_per_step=3)
     assert cfg.outstanding_cap == 9
-    assert cfg.loss.use_importance_sampling_correction and cfg.loss.truncated_importance_sampling_type == "tis"
+    assert (
+        cfg.loss.use_importance_sampling_correction and cfg.loss.truncated_importance_sampling_type == "tis"
+    )
 
 
 def test_bounded_wait_times_out_and_cancels():

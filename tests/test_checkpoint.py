@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import random_batch
@@ -199,6 +200,9 @@ def test_export_gives_identical_logits(tmp_path, tied):
     assert tok("12+3=15").input_ids == worker.tokenizer("12+3=15").input_ids
     with pytest.raises(ValueError, match="not empty"):
         checkpoint.export_hf(tmp_path / "ckpt", out)
+    half = checkpoint.export_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bfloat16")
+    with safe_open(str(half / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
 
 @pytest.mark.distributed

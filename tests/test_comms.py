@@ -24,7 +24,9 @@ from posttrain.policy.lifecycle import PhaseError
 WORLD = 2
 FD_TOLERANCE = 4  # open file descriptors
 THREAD_TOLERANCE = 2
-RSS_TOLERANCE = 32 * 2**20  # bytes, over 50 cycles (allocator noise; a leaked gloo group costs ~0.1 MB and 3 threads)
+RSS_TOLERANCE = (
+    32 * 2**20
+)  # bytes, over 50 cycles (allocator noise; a leaked gloo group costs ~0.1 MB and 3 threads)
 
 
 # ---------------------------------------------------------------------------------------------- harness
@@ -67,7 +69,11 @@ def local_params(worker) -> dict[str, torch.Tensor]:
 def proc_usage() -> dict[str, int]:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss": rss}
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "rss": rss,
+    }
 
 
 def save(out_dir: str, rank: int, result: dict) -> None:
@@ -147,7 +153,9 @@ def _guards_rank(rank, world, port, out_dir):
         worker.train_microbatch(batch)
     errors["train_microbatch"] = str(e.value)
     worker.abort_train_step()
-    with pytest.raises(comms.CommsError) as e:  # a stray use past the guard fails loudly, not on another group
+    with pytest.raises(
+        comms.CommsError
+    ) as e:  # a stray use past the guard fails loudly, not on another group
         with torch.no_grad():
             worker.model(input_ids=batch["input_ids"])
     errors["stray_forward"] = str(e.value)

@@ -11,14 +11,18 @@ from posttrain.policy.config import PolicyConfig
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optimizer:\n  lr: 1.0e-3\nmicrobatch:\n  mode: packed\n")
-    cfg = load_config(PolicyConfig, path, ["optimizer.lr=1e-4", "max_grad_norm=0.5", "microbatch.max_tokens=512"])
+    cfg = load_config(
+        PolicyConfig, path, ["optimizer.lr=1e-4", "max_grad_norm=0.5", "microbatch.max_tokens=512"]
+    )
     assert cfg.optimizer.lr == 1e-4
     assert cfg.max_grad_norm == 0.5
     assert cfg.microbatch.mode == "packed" and cfg.microbatch.max_tokens == 512
 
 
 def test_unknown_key_suggests_nearest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.lrr'. Did you mean 'optimizer.lr'\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'optimizer.lrr'. Did you mean 'optimizer.lr'\?"
+    ):
         load_config(PolicyConfig, None, ["optimizer.lrr=1"])
 
 

@@ -100,8 +100,15 @@ def test_transitions_are_idempotent_and_round_trip_is_exact():
 def test_open_step_pins_the_phase():
     policy = Policy(policy_cfg())
     policy.begin_train_step(NLLLoss())
-    for name in ("prepare_for_lp_inference", "offload_after_refit", "offload_before_refit", "prepare_for_training"):
-        with pytest.raises(PhaseError, match=rf"{name}\(\) called while a split train step is open.*abort_train_step"):
+    for name in (
+        "prepare_for_lp_inference",
+        "offload_after_refit",
+        "offload_before_refit",
+        "prepare_for_training",
+    ):
+        with pytest.raises(
+            PhaseError, match=rf"{name}\(\) called while a split train step is open.*abort_train_step"
+        ):
             getattr(policy, name)()
     assert policy.get_states()[0]["phase"] == "TRAINING"
     policy.abort_train_step()
@@ -114,7 +121,9 @@ def test_phase_errors_on_two_ray_ranks(ray_session):
     try:
         policy.offload_after_refit()
         assert [s["phase"] for s in policy.get_states()] == ["OFFLOADED", "OFFLOADED"]
-        with pytest.raises(PhaseError, match=r"train\(\) needs phase TRAINING.*call prepare_for_training\(\)"):
+        with pytest.raises(
+            PhaseError, match=r"train\(\) needs phase TRAINING.*call prepare_for_training\(\)"
+        ):
             policy.train(BATCH, NLLLoss())
         with pytest.raises(PhaseError, match=r"call prepare_for_lp_inference\(\)"):
             policy.get_logprobs(BATCH)

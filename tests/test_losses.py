@@ -74,7 +74,9 @@ def test_kl_estimators_and_clamps(kind):
 def test_reference_kl_term_added():
     batch, lp, mask = setup()
     base, _ = call(ClippedPGLoss(), lp, batch)
-    with_kl, metrics = call(ClippedPGLoss(reference_policy_kl_penalty=0.5, kl_input_clamp_value=None), lp, batch)
+    with_kl, metrics = call(
+        ClippedPGLoss(reference_policy_kl_penalty=0.5, kl_input_clamp_value=None), lp, batch
+    )
     kl = kl_penalty(lp, batch["reference_logprobs"], "k3", None, 10.0)
     expected = float(base) + 0.5 * float((kl * mask).sum() / mask.sum())
     assert float(with_kl) == pytest.approx(expected, rel=1e-5)
@@ -84,7 +86,9 @@ def test_reference_kl_term_added():
 @pytest.mark.parametrize("tis", [None, "tis", "icepop"])
 def test_importance_sampling_correction(tis):
     batch, lp, mask = setup()
-    batch["generation_logprobs"] = batch["prev_logprobs"] - torch.linspace(-1.5, 1.5, 10)  # weights e^-1.5..e^1.5
+    batch["generation_logprobs"] = batch["prev_logprobs"] - torch.linspace(
+        -1.5, 1.5, 10
+    )  # weights e^-1.5..e^1.5
     loss_fn = ClippedPGLoss(
         use_importance_sampling_correction=True,
         truncated_importance_sampling_type=tis,
@@ -151,7 +155,9 @@ def test_metric_kinds_rescale_placeholder_sums():
         one = torch.ones(())
         _, raw = loss_fn(lp, batch, one, one)
         seqs, toks = float(batch["sample_mask"].sum()), float(mask.sum())
-        final = finalize_metrics({k: float(v) for k, v in raw.items()}, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
+        final = finalize_metrics(
+            {k: float(v) for k, v in raw.items()}, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks
+        )
         for k, v in true.items():
             assert final[k] == pytest.approx(float(v), rel=1e-6), k
         assert final["num_valid_samples"] == 5  # raw counts are not divided

@@ -59,7 +59,10 @@ def test_uneven_microbatch_counts_across_ranks_do_not_deadlock(ray_session):
     batch["input_lengths"][:4] = 16
     batch["input_lengths"][4:] = 5
     policy = Policy(
-        policy_cfg(microbatch={"mode": "dynamic", "max_tokens": 16}, cluster={"backend": "ray", "num_workers": 2, "timeout_s": 60})
+        policy_cfg(
+            microbatch={"mode": "dynamic", "max_tokens": 16},
+            cluster={"backend": "ray", "num_workers": 2, "timeout_s": 60},
+        )
     )
     from posttrain.algorithms.losses import NLLLoss
 

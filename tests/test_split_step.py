@@ -75,7 +75,11 @@ class FailOnCall:
 
     def __init__(self, loss, n):
         self.loss, self.n, self.calls = loss, n, 0
-        self.loss_type, self.metric_kinds, self.required_keys = loss.loss_type, loss.metric_kinds, loss.required_keys
+        self.loss_type, self.metric_kinds, self.required_keys = (
+            loss.loss_type,
+            loss.metric_kinds,
+            loss.required_keys,
+        )
 
     def __call__(self, *args):
         self.calls += 1
@@ -108,7 +112,9 @@ def test_failed_microbatch_then_abort_equals_run_without_it():
 def test_lifecycle_errors():
     policy = Policy(policy_cfg())
     batch = random_batch(8, 16)
-    with pytest.raises(PhaseError, match=r"train_microbatch\(\) called without an open train step; call begin_train_step"):
+    with pytest.raises(
+        PhaseError, match=r"train_microbatch\(\) called without an open train step; call begin_train_step"
+    ):
         policy.train_microbatch(batch)
     with pytest.raises(PhaseError, match=r"finish_train_step\(\) called without an open train step"):
         policy.finish_train_step()

@@ -101,7 +101,10 @@ def test_grad_clipping_and_lr_schedule_reported():
     cfg = policy_cfg(
         max_grad_norm=1e-3,
         optimizer={"lr": 1.0, "name": "torch.optim.SGD"},
-        scheduler=[{"kind": "linear", "steps": 2, "start_factor": 0.5, "end_factor": 1.0}, {"kind": "constant"}],
+        scheduler=[
+            {"kind": "linear", "steps": 2, "start_factor": 0.5, "end_factor": 1.0},
+            {"kind": "constant"},
+        ],
     )
     policy = Policy(cfg)
     batch = random_batch(8, 16)

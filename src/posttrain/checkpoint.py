@@ -557,6 +557,9 @@ def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in full.items()}
 
 
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def _consolidated_model(root: Path, dtype: torch.dtype | None):
     config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -570,12 +573,15 @@ def _consolidated_model(root: Path, dtype: torch.dtype | None):
     return model.to(dtype) if dtype is not None else model
 
 
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Consolidate a checkpoint's model into a Hugging Face directory (safetensors + config + tokenizer).
 
     Runs on one process without a process group, whatever the number of ranks that saved it; the
-    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights stay fp32 unless `dtype`.
+    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights stay fp32 unless `dtype`
+    ("float32", "bfloat16" or "float16") says otherwise.
     """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(EXPORT_DTYPES)}")
     root = Path(checkpoint_dir).absolute()
     out = Path(out_dir).absolute()
     read_metadata(root)
@@ -583,7 +589,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtyp
         raise ValueError(
             f"export directory '{out}' exists and is not empty; pass a new directory or delete it"
         )
-    model = _consolidated_model(root, dtype)
+    model = _consolidated_model(root, EXPORT_DTYPES[dtype] if dtype else None)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -20,8 +20,10 @@ def _sft(args: argparse.Namespace) -> int:
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
     result = run_sft(cfg)
-    console.print(f"[bold green]SFT done[/]: train loss {result.get('loss', float('nan')):.4f}, "
-                  f"held-out loss {result.get('val_loss', float('nan')):.4f}; outputs in {cfg.output_dir}")
+    console.print(
+        f"[bold green]SFT done[/]: train loss {result.get('loss', float('nan')):.4f}, "
+        f"held-out loss {result.get('val_loss', float('nan')):.4f}; outputs in {cfg.output_dir}"
+    )
     return 0
 
 

@@ -553,9 +553,7 @@ class AsyncGRPOController:
     # ------------------------------------------------------------------ trainer side
 
     def _exhausted(self) -> bool:
-        return (
-            self.cursor.exhausted and not self._retry and not self._in_flight and len(self.sampler) == 0
-        )
+        return self.cursor.exhausted and not self._retry and not self._in_flight and len(self.sampler) == 0
 
     def _describe(self) -> str:
         alive = [s.index for s in self._alive()]
@@ -671,9 +669,7 @@ class AsyncGRPOController:
                 self._drop_stale(g)
         await self._publish(new)
         lags = [g.lag(old) for g in trained]
-        metrics = self.meter.step_metrics(
-            lags, sum(g.num_samples for g in trained), *self._generation_time()
-        )
+        metrics = self.meter.step_metrics(lags, sum(g.num_samples for g in trained), *self._generation_time())
         metrics.update(
             step=float(self.step),
             trainer_version=float(new),
@@ -724,7 +720,9 @@ class AsyncGRPOController:
         unless a `samples_codec` was given.
         """
         if self._in_step:
-            raise RuntimeError("state_dict() was called inside a train step; call it from on_step or after run()")
+            raise RuntimeError(
+                "state_dict() was called inside a train step; call it from on_step or after run()"
+            )
         requeue = [r for r in self._retry] + [req for _, req, _ in self._in_flight.values()]
         buffer = []
         for g in self.sampler.groups():
@@ -749,7 +747,9 @@ class AsyncGRPOController:
             "next_group_id": self._next_group_id,
             "cursor": self.cursor.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "requeue": [[r.group_id, r.prompt_id, r.retries] for r in sorted(requeue, key=lambda r: r.group_id)],
+            "requeue": [
+                [r.group_id, r.prompt_id, r.retries] for r in sorted(requeue, key=lambda r: r.group_id)
+            ],
             "buffer": buffer,
             "meter": self.meter.state_dict(),
         }
@@ -761,7 +761,9 @@ class AsyncGRPOController:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")
         if state["buffer"] and self.samples_codec is None:
-            raise ValueError("the controller state holds buffered samples; pass the samples_codec that saved them")
+            raise ValueError(
+                "the controller state holds buffered samples; pass the samples_codec that saved them"
+            )
         self.step = int(state["step"])
         self.trainer_version = int(state["trainer_version"])
         self._next_group_id = int(state["next_group_id"])

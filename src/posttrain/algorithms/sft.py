@@ -36,14 +36,18 @@ class LoggingConfig(Config):
 class SFTConfig(Config):
     """An SFT run."""
 
-    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(
+    policy: PolicyConfig = Field(
+        default_factory=lambda: PolicyConfig(
             optimizer={"lr": 3e-3}, train_global_batch_size=32, microbatch={"train_micro_batch_size": 32}
-        ))
+        )
+    )
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     max_num_steps: int = Field(200, ge=0, description="optimizer steps")
     val_period: int = Field(50, ge=0, description="held-out loss every N steps (0 = only at the end)")
     seed: int = 0
-    output_dir: str = Field("runs/sft", description="metrics.jsonl, config.yaml and the final HF model go here")
+    output_dir: str = Field(
+        "runs/sft", description="metrics.jsonl, config.yaml and the final HF model go here"
+    )
     save_final_model: bool = True
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

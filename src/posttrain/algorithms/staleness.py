@@ -123,9 +123,7 @@ _ALLOWED: dict[GroupState | None, set[GroupState]] = {
     GroupState.TRAINING: {GroupState.TRAINED, GroupState.FILTERED, GroupState.BUFFERED},
 }
 
-TERMINAL = frozenset(
-    {GroupState.TRAINED, GroupState.FILTERED, GroupState.DROPPED_STALE, GroupState.FAILED}
-)
+TERMINAL = frozenset({GroupState.TRAINED, GroupState.FILTERED, GroupState.DROPPED_STALE, GroupState.FAILED})
 
 
 class Ledger:
@@ -153,6 +151,8 @@ class Ledger:
 
     def check_settled(self) -> None:
         """Every group is terminal, buffered or pending (none is stuck in flight or in a step)."""
-        stuck = {g: s.value for g, s in self.states.items() if s in (GroupState.IN_FLIGHT, GroupState.TRAINING)}
+        stuck = {
+            g: s.value for g, s in self.states.items() if s in (GroupState.IN_FLIGHT, GroupState.TRAINING)
+        }
         if stuck:
             raise AssertionError(f"ledger: groups left in flight or in an open step: {stuck}")

@@ -129,11 +129,16 @@ def pad_to_length(batch: TensorDict, length: int) -> TensorDict:
 
 
 def batch_from_sequences(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0, sample_mask: list[float] | None = None
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int = 0,
+    sample_mask: list[float] | None = None,
 ) -> TensorDict:
     """Right-padded batch of prompt+completion rows; token_mask is 1 on completion tokens only."""
     if len(prompts) != len(completions):
-        raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions; pass one completion per prompt")
+        raise ValueError(
+            f"got {len(prompts)} prompts but {len(completions)} completions; pass one completion per prompt"
+        )
     if not prompts:
         raise ValueError("cannot build a batch from zero sequences")
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
@@ -145,5 +150,8 @@ def batch_from_sequences(
         token_mask[i, len(p) : lengths[i]] = 1.0
     mask = torch.tensor(sample_mask if sample_mask is not None else [1.0] * len(prompts), dtype=torch.float32)
     return make_batch(
-        input_ids=ids, input_lengths=torch.tensor(lengths, dtype=torch.long), token_mask=token_mask, sample_mask=mask
+        input_ids=ids,
+        input_lengths=torch.tensor(lengths, dtype=torch.long),
+        token_mask=token_mask,
+        sample_mask=mask,
     )

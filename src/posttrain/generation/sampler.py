@@ -122,7 +122,9 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=weights.shape[-1] - 1)
 
 
-def _filtered_draw(scaled: torch.Tensor, logz: torch.Tensor, rows: RowParams, u: torch.Tensor) -> torch.Tensor:
+def _filtered_draw(
+    scaled: torch.Tensor, logz: torch.Tensor, rows: RowParams, u: torch.Tensor
+) -> torch.Tensor:
     """Draw from the top-k / top-p restricted distribution of every row."""
     vocab = scaled.shape[-1]
     k = rows.candidates

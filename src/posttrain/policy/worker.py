@@ -236,9 +236,7 @@ class PolicyWorker:
         )
         loss_fn = step.loss_fn
         metrics = finalize_metrics(raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
-        metrics.update(
-            global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=n_mb
-        )
+        metrics.update(global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=n_mb)
         if nonfinite > 0:
             self.abort_train_step()
             raise NonFiniteLossError(

@@ -1,0 +1,578 @@
+"""The batched generation engine: prefill, then decode with a per-slot KV cache, continuous batching.
+
+`GenerationEngine(model, tokenizer, cfg)` wraps any Hugging Face causal LM whose attention layers
+use the `past_key_values.update(...)` protocol (Llama, Qwen2, Mistral-style models). Requests wait
+in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, up to
+`max_prefill_tokens` per forward), then decodes one token for every active slot. A finished
+sequence frees its slot at once and the next waiting prompt takes it (continuous batching).
+
+Three ways in: `generate(prompts, params)` blocks and returns results in prompt order (the
+synchronous loop); `submit()` + `step()` / `iter_results()` hand results back as they finish; and
+`agenerate()` / `astream()` do the same for asyncio code (steps run in a worker thread, so the event
+loop stays free to submit more). The engine starts no thread at construction, so it can be built
+inside a Ray actor (see generation/rollout.py).
+
+Departures from `transformers.generate`: a static per-slot cache instead of a growing
+`DynamicCache` (no concatenation per step), 4-D masks built by the engine (transformers uses them
+as they are), logits computed only at each prompt's last position during prefill, and
+counter-based per-request random streams (generation/sampler.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+
+import torch
+
+from posttrain.generation.kv_cache import SlotKVCache
+from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.requests import Request, check_prompt, stop_ids
+from posttrain.generation.sampler import RowParams, mix64, request_key, sample
+from posttrain.logging import get_logger
+from posttrain.models.logprobs import token_logprobs
+
+log = get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user-seeded ones
+WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot do this now (asleep, weights missing, requests in flight); the message says
+    which call fixes it."""
+
+
+def _check_supported(model, max_len: int) -> None:
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("GenerationEngine runs decoder-only causal LMs; this model is encoder-decoder")
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    if sliding or (getattr(config, "use_sliding_window", False) and window and window < max_len):
+        raise ValueError(
+            "sliding-window attention is not supported by GenerationEngine yet; set max_model_len <= "
+            f"sliding_window ({window}) or disable the sliding window in the model config"
+        )
+
+
+def named_tensors(weights: WeightsLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a state dict or an iterable of pairs."""
+    return iter(weights.items()) if isinstance(weights, Mapping) else iter(weights)
+
+
+class GenerationEngine:
+    """Batched sampler over one Hugging Face causal LM; see the module docstring."""
+
+    def __init__(self, model, tokenizer=None, cfg: GenerationConfig | None = None) -> None:
+        self.cfg = cfg or GenerationConfig()
+        self.tokenizer = tokenizer
+        self._build_model(model)
+        self._build_slots()
+        self._build_queues()
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_model(self, model) -> None:
+        first = next(model.parameters())
+        self.device = torch.device(self.cfg.device) if self.cfg.device else first.device
+        self.dtype = first.dtype if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_len = int(self.cfg.max_model_len or config.max_position_embeddings)
+        _check_supported(model, self.max_len)
+        self._lm_head = model.get_output_embeddings()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+        self.pad_token_id = getattr(self.tokenizer, "pad_token_id", None) or 0
+        self.weight_version = 0
+        self._weights_valid = True
+        self._shared = False
+        self._sleeping = False
+        self._released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]] = {}
+
+    def _build_slots(self) -> None:
+        s, dev = self.cfg.max_num_seqs, self.device
+        self.cache = SlotKVCache(self.model.config.num_hidden_layers, s, self.max_len)
+        self._last = torch.zeros(s, dtype=torch.long, device=dev)  # last drawn token of each slot
+        self._pos = torch.zeros(s, dtype=torch.long, device=dev)  # where that token is written
+        self._count = torch.zeros(s, dtype=torch.long, device=dev)  # tokens drawn so far
+        self._arange = torch.arange(self.max_len, device=dev)
+        self._rows: RowParams | None = None
+
+    def _build_queues(self) -> None:
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []  # slot i holds _active[i]
+        self._parked: list[GenerationResult] = []  # finished while nobody was asking for them
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._futures: dict[int, asyncio.Future] = {}
+        self._driver: asyncio.Task | None = None
+        self._admit_paused = False
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def _make_request(
+        self, prompt: list[int], params: SamplingParams, stream_index: int, prompt_index: int | None
+    ) -> Request:
+        ids = check_prompt(prompt, self.vocab_size, self.max_len)
+        stops = stop_ids(params, self.vocab_size, self.eos_token_id)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass one to GenerationEngine(model, tokenizer)")
+        rid = next(self._ids)
+        if params.seed is not None:
+            key = request_key(params.seed, stream_index)
+        else:
+            key = request_key(mix64(self.cfg.seed) ^ _UNSEEDED_SALT, rid)
+        return Request(
+            request_id=rid,
+            prompt_index=rid if prompt_index is None else prompt_index,
+            prompt=ids,
+            params=params,
+            key=key,
+            limit=min(params.max_new_tokens, self.max_len - len(ids)),
+            stop_ids=stops,
+        )
+
+    def _make_requests(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None
+    ) -> list[Request]:
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params)} SamplingParams; pass one per prompt "
+                    "or a single one for all"
+                )
+            plist = params
+        else:
+            plist = [params or SamplingParams()] * len(prompts)
+        return [self._make_request(p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        stream_index: int = 0,
+        prompt_index: int | None = None,
+    ) -> int:
+        """Queue one request; returns its id. Safe to call while a step runs in another thread."""
+        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
+        self._waiting.append(req)
+        return req.request_id
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or decoding."""
+        return bool(self._waiting or self._active)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[GenerationResult]:
+        """Admit waiting prompts into free slots, decode one token for every slot; return what finished."""
+        with self._lock, torch.inference_mode():
+            self._check_can_run()
+            done = self._parked
+            self._parked = []
+            finished = self._admit()
+            if self._active:
+                finished += self._decode()
+            return done + [r.result() for r in finished]
+
+    def iter_results(self) -> Iterator[GenerationResult]:
+        """Step until nothing is left, yielding each result as it finishes."""
+        while self.has_unfinished() or self._parked:
+            yield from self.step()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Generate a completion for every prompt (blocking); results in prompt order."""
+        if self._futures:
+            raise EngineStateError(
+                "generate() called while asynchronous requests are pending; await them first "
+                "(or use agenerate()/astream() for these prompts too)"
+            )
+        reqs = self._make_requests(prompts, params)
+        self._waiting.extend(reqs)
+        wanted = {r.request_id for r in reqs}
+        got: dict[int, GenerationResult] = {}
+        while len(got) < len(reqs):
+            for res in self.step():
+                if res.request_id in wanted:
+                    got[res.request_id] = res
+                else:
+                    self._parked.append(res)
+        return [got[r.request_id] for r in reqs]
+
+    def _check_can_run(self) -> None:
+        if self._sleeping:
+            raise EngineStateError("the engine is asleep (sleep() was called); call wake() first")
+        if not self._weights_valid:
+            raise EngineStateError(
+                "the engine has no complete weights (an incomplete or failed load_weights(), or weights "
+                "released by sleep(keep_weights=False) / shared weights); call load_weights() with the "
+                "full state dict"
+            )
+
+    # ------------------------------------------------------------------ prefill
+
+    def _take_chunk(self) -> list[Request]:
+        chunk: list[Request] = []
+        longest = 0
+        while self._waiting and len(self._active) + len(chunk) < self.cfg.max_num_seqs:
+            n = max(longest, len(self._waiting[0].prompt))
+            if chunk and n * (len(chunk) + 1) > self.cfg.max_prefill_tokens:
+                break
+            chunk.append(self._waiting.popleft())
+            longest = n
+        return chunk
+
+    def _admit(self) -> list[Request]:
+        finished: list[Request] = []
+        while self._waiting and not self._admit_paused and len(self._active) < self.cfg.max_num_seqs:
+            finished += self._prefill(self._take_chunk())
+        return finished
+
+    def _prefill(self, chunk: list[Request]) -> list[Request]:
+        n0, k = len(self._active), len(chunk)
+        width = max(len(r.prompt) for r in chunk)
+        rows = [r.prompt + [self.pad_token_id] * (width - len(r.prompt)) for r in chunk]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
+        ar = self._arange[:width]
+        mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
+        self.cache.plan_prefill(n0, k)
+        logits = self._forward_at(ids, ar[None, :].expand(k, width), mask[:, None], lengths - 1)
+        for r in chunk:
+            r.weight_version = self.weight_version
+        self._active.extend(chunk)
+        self._pos[n0 : n0 + k] = lengths
+        self._count[n0 : n0 + k] = 0
+        rows_params = RowParams.build(
+            [r.params for r in chunk], [r.key for r in chunk], self.vocab_size, self.device
+        )
+        tokens, logprobs = sample(logits, rows_params, self._count[n0 : n0 + k])
+        self._last[n0 : n0 + k] = tokens
+        self._count[n0 : n0 + k] = 1
+        self._rows = None
+        return self._record(n0, tokens, logprobs)
+
+    def _forward_at(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
+        """Logits [b, V] at position `last[i]` of each row, computing the LM head only there."""
+        if self._lm_head is None:
+            logits = self._forward(ids, position_ids, mask)
+            return logits[torch.arange(ids.shape[0], device=ids.device), last]
+
+        def pick(module, args):
+            hidden = args[0]
+            return (hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], *args[1:])
+
+        handle = self._lm_head.register_forward_pre_hook(pick)
+        try:
+            return self._forward(ids, position_ids, mask)[:, 0]
+        finally:
+            handle.remove()
+
+    def _forward(self, ids, position_ids, mask) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode(self) -> list[Request]:
+        n = len(self._active)
+        if self._rows is None:
+            reqs = self._active
+            self._rows = RowParams.build(
+                [r.params for r in reqs], [r.key for r in reqs], self.vocab_size, self.device
+            )
+        length = max(r.position for r in self._active) + 1
+        pos = self._pos[:n]
+        mask = (self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
+        self.cache.plan_decode(n, pos, length)
+        logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
+        tokens, logprobs = sample(logits, self._rows, self._count[:n])
+        self._last[:n] = tokens
+        self._pos[:n] += 1
+        self._count[:n] += 1
+        return self._record(0, tokens, logprobs)
+
+    def _record(self, first_slot: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
+        """Append drawn tokens to their requests (one host sync); release the slots that finished."""
+        ended = []
+        for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            if self._active[first_slot + i].append(tok, lp, self.tokenizer):
+                ended.append(first_slot + i)
+        self.num_generated_tokens += len(tokens)
+        finished = [self._active[s] for s in ended]
+        for slot in reversed(ended):
+            self._release(slot)
+        return finished
+
+    def _release(self, slot: int) -> None:
+        """Free a slot, moving the last active sequence into it so slots 0..n-1 stay dense."""
+        last = len(self._active) - 1
+        if slot != last:
+            mover = self._active[last]
+            self.cache.move_slot(last, slot, mover.position)
+            for t in (self._last, self._pos, self._count):
+                t[slot] = t[last]
+            self._active[slot] = mover
+        self._active.pop()
+        self._rows = None
+
+    # ------------------------------------------------------------------ asyncio
+
+    async def agenerate(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        stream_index: int = 0,
+        prompt_index: int | None = None,
+    ) -> GenerationResult:
+        """Submit one request and wait for its result (other coroutines may submit meanwhile)."""
+        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
+        fut = self._track(req)
+        self._waiting.append(req)
+        self._ensure_driver()
+        return await fut
+
+    async def astream(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> AsyncIterator[GenerationResult]:
+        """Submit prompts and yield each result as soon as it finishes (completion order)."""
+        reqs = self._make_requests(prompts, params)
+        futs = [self._track(r) for r in reqs]
+        self._waiting.extend(reqs)
+        self._ensure_driver()
+        for fut in asyncio.as_completed(futs):
+            yield await fut
+
+    def _track(self, req: Request) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[req.request_id] = fut
+        return fut
+
+    def _ensure_driver(self) -> None:
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """Run steps in a worker thread while there is work; resolve the futures of finished requests."""
+        try:
+            while self._active or (self._waiting and not self._admit_paused):
+                for res in await asyncio.to_thread(self.step):
+                    fut = self._futures.pop(res.request_id, None)
+                    if fut is None or fut.done():
+                        self._parked.append(res)
+                    else:
+                        fut.set_result(res)
+        except BaseException as e:
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(e)
+            self._futures.clear()
+            raise
+
+    async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Load weights between requests: admission pauses, running sequences finish, weights load,
+        admission resumes (waiting requests then run on the new weights)."""
+        self._admit_paused = True
+        try:
+            while self._active:
+                await asyncio.sleep(0.001)
+            return self.load_weights(weights, version)
+        finally:
+            self._admit_paused = False
+            if self._waiting:
+                self._ensure_driver()
+
+    # ------------------------------------------------------------------ logprobs
+
+    def compute_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
+        """[B, T] logprobs of each token given the previous ones under `logits / temperature`, in the
+        trainer's convention (position 0 and padding hold 0); returned on the host in fp32."""
+        if not sequences or any(len(s) == 0 for s in sequences):
+            raise ValueError("compute_logprobs needs non-empty sequences")
+        width = max(len(s) for s in sequences)
+        out = torch.zeros(len(sequences), width)
+        rows_per_chunk = max(1, self.cfg.max_prefill_tokens // width)
+        with self._lock, torch.inference_mode():
+            self._check_can_run()
+            for start in range(0, len(sequences), rows_per_chunk):
+                chunk = sequences[start : start + rows_per_chunk]
+                out[start : start + len(chunk)] = self._chunk_logprobs(chunk, width, temperature)
+        return out
+
+    def _chunk_logprobs(self, chunk: list[list[int]], width: int, temperature: float) -> torch.Tensor:
+        ids = torch.tensor(
+            [list(s) + [self.pad_token_id] * (width - len(s)) for s in chunk], device=self.device
+        )
+        lengths = torch.tensor([len(s) for s in chunk], device=self.device)
+        valid = self._arange[:width][None, :] < lengths[:, None]
+        logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
+        lp = token_logprobs(logits[:, :-1].float() / temperature, ids[:, 1:])
+        return (torch.nn.functional.pad(lp, (1, 0)) * valid).cpu()
+
+    # ------------------------------------------------------------------ weights
+
+    def _check_idle(self, verb: str) -> None:
+        if self._active:
+            raise EngineStateError(
+                f"{verb}() while {len(self._active)} sequences are decoding; call it between requests "
+                "(after generate() returns, or via load_weights_async() from asyncio code)"
+            )
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every state-dict name of the engine model (tied aliases included) -> its tensor."""
+        return {k.removeprefix("_orig_mod."): v for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.
+
+        Names, shapes and completeness are checked; until a complete load succeeds the engine refuses
+        to generate (so half-loaded weights cannot be used). Dtype and device are converted."""
+        with self._lock, torch.no_grad():
+            self._check_idle("load_weights")
+            if self._sleeping:
+                raise EngineStateError("load_weights() while asleep; call wake() first")
+            targets = self._weight_targets()
+            if self._shared:  # stop aliasing the trainer's tensors before writing into them
+                for p in {id(t): t for t in targets.values()}.values():
+                    p.data = torch.empty_like(p.data, device=self.device, dtype=p.dtype)
+                self._shared = False
+            self._weights_valid = False
+            seen, nbytes = set(), 0
+            for name, tensor in named_tensors(weights):
+                target = self._target(targets, name, tensor)
+                target.data.copy_(tensor)
+                seen.add(id(target))
+                nbytes += tensor.numel() * tensor.element_size()
+            self._finish_load(targets, seen, version)
+            return {"bytes": float(nbytes), "tensors": float(len(seen))}
+
+    def share_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Point the engine's parameters at the given tensors (no copy): same shape, dtype and device
+        required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
+        with self._lock, torch.no_grad():
+            self._check_idle("share_weights")
+            if self._sleeping:
+                raise EngineStateError("share_weights() while asleep; call wake() first")
+            targets = self._weight_targets()
+            self._weights_valid = False
+            seen = set()
+            for name, tensor in named_tensors(weights):
+                target = self._target(targets, name, tensor)
+                if tensor.dtype != target.dtype or tensor.device != target.device:
+                    raise ValueError(
+                        f"cannot share '{name}': engine wants {target.dtype} on {target.device}, got "
+                        f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
+                    )
+                target.data = tensor.detach()
+                seen.add(id(target))
+            self._shared = True
+            self._finish_load(targets, seen, version)
+            return {"bytes": 0.0, "tensors": float(len(seen))}
+
+    @staticmethod
+    def _target(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+        key = name.removeprefix("_orig_mod.")
+        target = targets.get(key)
+        if target is None:
+            raise ValueError(
+                f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
+                "same model architecture (trainer and engine configs differ?)"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight '{name}' has shape {tuple(tensor.shape)} but the engine expects "
+                f"{tuple(target.shape)}; trainer and engine models differ"
+            )
+        if getattr(tensor, "_spec", None) is not None or type(tensor).__name__ == "DTensor":
+            raise ValueError(
+                f"weight '{name}' is a sharded DTensor; gather it first (weight_sync.iter_full_weights)"
+            )
+        return target
+
+    def _finish_load(self, targets: dict[str, torch.Tensor], seen: set[int], version: int) -> None:
+        missing = [n for n, t in targets.items() if id(t) not in seen]
+        if missing:
+            raise ValueError(
+                f"incomplete weights: {len(missing)} tensors were not sent (e.g. {missing[:3]}); the "
+                "engine refuses to generate until load_weights() gets the full state dict"
+            )
+        self._weights_valid = True
+        self.weight_version = int(version)
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def sleep(self, keep_weights: bool = True) -> dict[str, float]:
+        """Release device memory: the KV cache always; parameters too (moved to host memory when
+        `keep_weights`, dropped otherwise; shared weights are dropped and come back with the next sync).
+        On a CPU engine with `keep_weights` the parameters stay where they are. Idempotent."""
+        with self._lock:
+            self._check_idle("sleep")
+            if self._sleeping:
+                return {"bytes_released": 0.0}
+            released = self.cache.nbytes()
+            self.cache.free()
+            keep_host = keep_weights and not self._shared
+            if not (keep_host and self.device.type == "cpu"):
+                released += self._release_params(keep_host)
+                self._weights_valid = keep_host
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._sleeping = True
+            return {"bytes_released": float(released)}
+
+    def _release_params(self, to_host: bool) -> int:
+        released = 0
+        pin = self.device.type == "cuda"
+        for name, p in self.model.named_parameters():
+            host = None
+            if to_host:
+                host = p.data.to("cpu", copy=True)
+                host = host.pin_memory() if pin else host
+            self._released[name] = (p.shape, p.dtype, host)
+            released += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self._shared = False
+        return released
+
+    def wake(self) -> None:
+        """Restore what `sleep()` released (parameters from host memory, or empty ones awaiting
+        load_weights()); the KV cache is allocated again on the next forward. Idempotent."""
+        with self._lock:
+            if not self._sleeping:
+                return
+            params = dict(self.model.named_parameters())
+            for name, (shape, dtype, host) in self._released.items():
+                if host is not None:
+                    params[name].data = host.to(self.device)
+                else:
+                    params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+            self._released = {}
+            self._sleeping = False
