@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from posttrain.algorithms.async_grpo import AsyncGRPOConfig, DataCursor, bounded
-from posttrain.algorithms.async_types import WaitTimeout
+from posttrain.algorithms.async_grpo import AsyncGRPOConfig
+from posttrain.algorithms.async_types import WaitTimeout, bounded
+from posttrain.algorithms.rollout_pool import DataCursor
 from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger, StalenessSampler
 from posttrain.config import ConfigError, build_config
 

@@ -41,3 +41,13 @@ def test_override_without_equals_and_missing_file(tmp_path):
         load_config(PolicyConfig, None, ["optimizer.lr"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(PolicyConfig, tmp_path / "nope.yaml")
+
+
+def test_task_union_keys_are_checked_against_the_chosen_task():
+    from posttrain.algorithms.sft import SFTConfig
+
+    assert load_config(SFTConfig, None, ["task.max_operand=3"]).task.max_operand == 3
+    with pytest.raises(ConfigError, match=r"unknown config key 'task.max_operandd'. Did you mean 'task.max_operand'"):
+        load_config(SFTConfig, None, ["task.max_operandd=3"])
+    with pytest.raises(ConfigError, match="'arithmetic', 'math', 'custom'"):
+        load_config(SFTConfig, None, ["task.name=arith"])

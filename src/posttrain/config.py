@@ -33,27 +33,46 @@ def _field_names(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
-def _submodel(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    field = model.model_fields.get(name)
-    if field is None:
-        return None
-    ann = field.annotation
-    candidates = typing.get_args(ann) or (ann,)
-    for cand in candidates:
-        if isinstance(cand, type) and issubclass(cand, BaseModel):
-            return cand
+def _model_candidates(ann: Any) -> list[type[BaseModel]]:
+    """Pydantic model classes inside an annotation (unwrapping Optional, unions and Annotated)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    out: list[type[BaseModel]] = []
+    for arg in typing.get_args(ann):
+        out.extend(_model_candidates(arg))
+    return out
+
+
+def _tag_of(model: type[BaseModel]) -> Any:
+    """The literal value of a discriminated-union member's `name` field, if it has one."""
+    field = model.model_fields.get("name")
+    if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+        return typing.get_args(field.annotation)[0]
     return None
 
 
-def _walk_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str]:
-    """Return the model class that owns the last string element of `loc`, and that element."""
+def _walk_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, str, tuple]:
+    """The model class owning the last key of `loc`, that key, and `loc` without union tags."""
     current: type[BaseModel] | None = model
-    keys = [k for k in loc if isinstance(k, str)]
-    for key in keys[:-1]:
-        if current is None:
-            break
-        current = _submodel(current, key)
-    return current, keys[-1] if keys else ""
+    clean: list[Any] = []
+    i = 0
+    while i < len(loc):
+        key = loc[i]
+        clean.append(key)
+        if i == len(loc) - 1 or current is None or not isinstance(key, str):
+            i += 1
+            continue
+        field = current.model_fields.get(key)
+        candidates = _model_candidates(field.annotation) if field is not None else []
+        current = candidates[0] if len(candidates) == 1 else None
+        if len(candidates) > 1 and i + 1 < len(loc):  # pydantic puts the union tag next in loc
+            tagged = {_tag_of(c): c for c in candidates}
+            if loc[i + 1] in tagged:
+                current = tagged[loc[i + 1]]
+                i += 1
+        i += 1
+    keys = [k for k in clean if isinstance(k, str)]
+    return current, keys[-1] if keys else "", tuple(clean)
 
 
 def _allowed_values(model: type[BaseModel] | None, key: str) -> str:
@@ -77,9 +96,8 @@ def format_validation_error(model: type[BaseModel], err: ValidationError) -> str
     """Turn a pydantic ValidationError into one message per problem, each with the fix."""
     lines = []
     for e in err.errors():
-        loc = tuple(e.get("loc", ()))
+        owner, key, loc = _walk_path(model, tuple(e.get("loc", ())))
         dotted = ".".join(str(x) for x in loc)
-        owner, key = _walk_path(model, loc)
         if e["type"] == "extra_forbidden":
             valid = _field_names(owner) if owner is not None else []
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)

@@ -126,3 +126,31 @@ class StepProgress:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def plot_metrics(jsonl: str | Path, out_png: str | Path, keys: tuple[str, ...]) -> Path | None:
+    """A PNG with one panel per metric key (step on x); None when matplotlib is missing or no data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("posttrain").warning("matplotlib is not installed; no plot written (pip install matplotlib)")
+        return None
+    records = read_metrics(jsonl)
+    series = {k: [(r["step"], r[k]) for r in records if isinstance(r.get(k), (int, float))] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.5), squeeze=False)
+    for ax, (k, pts) in zip(axes[0], series.items()):
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", markersize=3)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)

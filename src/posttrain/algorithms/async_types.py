@@ -1,4 +1,5 @@
-"""What the asynchronous GRPO controller needs from its parts: protocols, the group result, errors.
+"""What the asynchronous GRPO controller needs from its parts: protocols, the group result, errors,
+and the bounded wait every call to a part goes through.
 
 The controller never looks inside a group's samples: a rollout worker returns them, the caller's
 `prepare_group` hook turns them into a training batch. So the generation engine, the tasks and the
@@ -7,6 +8,7 @@ synchronous loop's helpers plug in without the controller importing them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -41,6 +43,20 @@ class WorkerLostError(RuntimeError):
 
 class WaitTimeout(TimeoutError):
     """A bounded wait of the controller expired (distinct from a TimeoutError raised by a worker itself)."""
+
+
+async def bounded(aw: Awaitable[Any], timeout: float, what: str) -> Any:
+    """Await `aw` for at most `timeout` seconds; raise WaitTimeout naming `what` (the work is cancelled)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise WaitTimeout(f"{what} did not answer within {timeout}s")
+    return task.result()
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, build_arithmetic_task
 from posttrain.tasks.datasets import DatasetConfig, build_splits
@@ -27,8 +27,20 @@ class CustomTaskConfig(TaskConfigBase):
     )
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | MathTaskConfig | CustomTaskConfig, Field(discriminator="name")]
-"""Any task's config; `name` picks the kind. Use as a field type: `task: TaskConfig`."""
+def _task_kind(value: Any) -> str | None:
+    """The union tag: a config's `name`, defaulting to the arithmetic demo task when not given."""
+    if isinstance(value, dict):
+        return value.get("name", "arithmetic")
+    return getattr(value, "name", None)
+
+
+TaskConfig = Annotated[
+    Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
+    | Annotated[MathTaskConfig, Tag("math")]
+    | Annotated[CustomTaskConfig, Tag("custom")],
+    Discriminator(_task_kind),
+]
+"""Any task's config; `name` picks the kind (default 'arithmetic'). Use as a field type: `task: TaskConfig`."""
 
 
 def build_custom_task(cfg: CustomTaskConfig, tokenizer: Any) -> Task:

@@ -1,0 +1,400 @@
+"""Synchronous GRPO: generate, score, advantages, logprobs, train, sync, in that order, every step.
+
+Read `run_grpo` top to bottom; each phase is a short function below it. Departures from the textbook:
+- failed rewards are never entered as 0: the sample is masked out and counted (tasks/rewards.py);
+- dynamic sampling drops prompt groups whose rewards are all equal and refills up to a bound;
+- generation seeds are derived from (seed, step, sample), so a resumed run draws exactly the samples
+  an uninterrupted run would;
+- after every weight sync the engine's logprobs on a probe batch are checked against the trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from posttrain.algorithms.advantages import group_advantages, zero_variance_groups
+from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
+from posttrain.algorithms.sft import LoggingConfig
+from posttrain.config import Config, dump_config
+from posttrain.data.batch import batch_from_sequences
+from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.weight_sync import WeightSyncConfig, sync_policy_to_engine
+from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
+from posttrain.policy.config import PolicyConfig
+from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.policy import Policy
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig
+from posttrain.tasks.build import TaskConfig, build_task
+from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.task import Task
+
+log = get_logger(__name__)
+
+
+class GRPOLoopConfig(Config):
+    """The loop's knobs (names follow NeMo-RL)."""
+
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_num_steps: int = Field(50, ge=0)
+    max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
+    normalize_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    use_leave_one_out_baseline: bool = Field(False, description="RLOO baseline instead of the group mean")
+    overlong_filtering: bool = Field(False, description="truncated completions do not contribute to the loss")
+    dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
+    dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
+    overlong_reward_shaping: bool = Field(False, description="DAPO soft penalty near max_new_tokens")
+    overlong_buffer_length: int = Field(4, ge=1)
+    overlong_penalty: float = Field(1.0, ge=0)
+    val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
+    val_at_start: bool = True
+    val_num_generations: int = Field(1, ge=1, description="k of pass@k (k=1: greedy accuracy)")
+    val_max_prompts: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class GRPOConfig(Config):
+    """A GRPO run."""
+
+    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128))
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
+    grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    colocated: bool = Field(True, description="trainer offloaded while the engine generates, engine asleep while training")
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str = "runs/grpo"
+
+
+# Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
+RESUME_KEYS = ("grpo", "sampling", "task", "loss")
+
+
+@dataclass
+class Rollouts:
+    """One step's samples: prompts x generations, flattened in group order."""
+
+    items: list[PromptItem]
+    results: list[GenerationResult]
+    rewards: torch.Tensor
+    failed: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """Everything a step needs."""
+
+    cfg: GRPOConfig
+    policy: Policy
+    engine: GenerationEngine
+    task: Task
+    tokenizer: Any
+    loss_fn: ClippedPGLoss
+    probe: list[list[int]]
+    step: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.timings[f"timing/{name}_s"] = time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
+    """Train with GRPO; returns the final metrics (including the last validation)."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    run = setup(cfg, policy)
+    ckpt = CheckpointManager(cfg.checkpointing, out)
+    resume_from(run, ckpt)
+    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project)
+    progress = StepProgress(cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar)
+    last: dict[str, float] = {}
+    try:
+        if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
+            last.update(validate(run))
+            metrics_log.log(last, 0)
+        while run.step < cfg.grpo.max_num_steps and run.task.train.epoch < cfg.grpo.max_num_epochs:
+            run.step += 1
+            metrics = grpo_step(run)
+            if cfg.grpo.val_period and run.step % cfg.grpo.val_period == 0 and run.task.eval is not None:
+                metrics.update(validate(run))
+            metrics_log.log(metrics, run.step)
+            progress.update(run.step, metrics)
+            last.update(metrics)
+            if ckpt.should_save(run.step, cfg.grpo.max_num_steps):
+                ckpt.save(run.policy, run.step, loop_state(run), metrics)
+    finally:
+        progress.close()
+        metrics_log.close()
+    plot_metrics(metrics_log.path, out / "curves.png", ("reward", "val/accuracy"))
+    return last
+
+
+def grpo_step(run: Run) -> dict[str, float]:
+    """One step: generate -> score -> advantages -> logprobs -> train -> sync."""
+    t0 = time.perf_counter()
+    run.timings = {}
+    with run.timed("generation"):
+        rollouts = generate(run)
+    batch, adv_metrics = build_batch(run, rollouts)
+    with run.timed("logprobs"):
+        add_logprobs(run, batch)
+    with run.timed("training"):
+        run.policy.prepare_for_training()
+        train_metrics = run.policy.train(batch, run.loss_fn)
+    with run.timed("weight_sync"):
+        sync_metrics = sync_weights(run)
+    metrics = {
+        **rollouts.metrics,
+        **adv_metrics,
+        **{f"train/{k}": v for k, v in train_metrics.items()},
+        **sync_metrics,
+        **run.timings,
+        "step_time_s": time.perf_counter() - t0,
+        "epoch": float(run.task.train.epoch),
+    }
+    return metrics
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
+    """Policy, tokenizer, task, engine (with the policy's weights) and the probe batch."""
+    if cfg.policy.train_global_batch_size > cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt:
+        raise ValueError(
+            f"policy.train_global_batch_size={cfg.policy.train_global_batch_size} exceeds the samples per step "
+            f"({cfg.grpo.num_prompts_per_step} x {cfg.grpo.num_generations_per_prompt}); lower it"
+        )
+    torch.manual_seed(cfg.grpo.seed)
+    policy = policy or Policy(cfg.policy)
+    tokenizer = build_tokenizer(cfg.policy.model)
+    task = build_task(cfg.task, tokenizer)
+    engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, cfg.generation)
+    probe_items = (task.eval or task.train).items[:8]
+    probe = [list(it.prompt_token_ids) + list(it.prompt_token_ids[-2:]) for it in probe_items]
+    run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), probe)
+    sync_weights(run)
+    return run
+
+
+def _seed(run: Run, salt: int, index: int) -> int:
+    return (run.cfg.grpo.seed * 1_000_003 + run.step * 10_007 + salt * 101 + index) % (2**31)
+
+
+def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[GenerationResult]:
+    """num_generations_per_prompt completions for each prompt, with per-sample seeds."""
+    g = run.cfg.grpo.num_generations_per_prompt
+    prompts = [list(it.prompt_token_ids) for it in items for _ in range(g)]
+    params = [run.cfg.sampling.model_copy(update={"seed": _seed(run, salt, i)}) for i in range(len(prompts))]
+    return run.engine.generate(prompts, params)
+
+
+def score(run: Run, items: list[PromptItem], results: list[GenerationResult]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Rewards and failure flags (failed rewards are marked, never zeroed), with overlong shaping."""
+    g = run.cfg.grpo.num_generations_per_prompt
+    flat = [it for it in items for _ in range(g)]
+    texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
+    rewards = torch.tensor([float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32)
+    failed = torch.tensor(res.failed, dtype=torch.bool)
+    loop = run.cfg.grpo
+    if loop.overlong_reward_shaping:
+        limit = run.cfg.sampling.max_new_tokens
+        lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
+        over = (lengths - (limit - loop.overlong_buffer_length)).clamp(min=0) / loop.overlong_buffer_length
+        rewards = rewards - loop.overlong_penalty * over.clamp(max=1.0)
+    return rewards, failed, res.summary()
+
+
+def generate(run: Run) -> Rollouts:
+    """Generate and score prompt groups; with dynamic sampling, refill zero-variance groups."""
+    loop = run.cfg.grpo
+    g = loop.num_generations_per_prompt
+    colocated_generation_start(run)
+    kept_items, kept_results, kept_rewards, kept_failed = [], [], [], []
+    dropped, summaries = 0, []
+    t_reward = 0.0
+    for attempt in range(1 + (loop.dynamic_sampling_max_refills if loop.dynamic_sampling else 0)):
+        need = loop.num_prompts_per_step - len(kept_items)
+        if need <= 0:
+            break
+        items = run.task.train.next_batch(need if attempt else loop.num_prompts_per_step)
+        results = sample_groups(run, items, salt=attempt)
+        t1 = time.perf_counter()
+        rewards, failed, summary = score(run, items, results)
+        t_reward += time.perf_counter() - t1
+        summaries.append(summary)
+        group_ids = torch.arange(len(items)).repeat_interleave(g)
+        flat = zero_variance_groups(rewards, group_ids, ~failed) if loop.dynamic_sampling else set()
+        for i, item in enumerate(items):
+            if i in flat:
+                dropped += 1
+                continue
+            sl = slice(i * g, (i + 1) * g)
+            kept_items.append(item)
+            kept_results += results[sl]
+            kept_rewards.append(rewards[sl])
+            kept_failed.append(failed[sl])
+    colocated_generation_end(run)
+    rewards = torch.cat(kept_rewards) if kept_rewards else torch.zeros(0)
+    failed = torch.cat(kept_failed) if kept_failed else torch.zeros(0, dtype=torch.bool)
+    valid = rewards[~failed]
+    lengths = [len(r.token_ids) for r in kept_results]
+    metrics = {
+        "reward": float(valid.mean()) if len(valid) else float("nan"),
+        "reward_failed": float(sum(s.get("reward_failed", 0) for s in summaries)),
+        "groups_dropped_zero_variance": float(dropped),
+        "groups_trained": float(len(kept_items)),
+        "completion_length": sum(lengths) / max(len(lengths), 1),
+        "truncated_fraction": sum(r.finish_reason == "length" for r in kept_results) / max(len(kept_results), 1),
+        "timing/reward_s": t_reward,
+    }
+    return Rollouts(kept_items, kept_results, rewards, failed, metrics)
+
+
+def build_batch(run: Run, ro: Rollouts):
+    """The training batch (padded with masked rows to whole global batches) and advantage metrics."""
+    loop = run.cfg.grpo
+    g = loop.num_generations_per_prompt
+    n = len(ro.results)
+    gbs = run.cfg.policy.train_global_batch_size
+    total = max(gbs, -(-n // gbs) * gbs) if n else gbs
+    group_ids = torch.tensor([it.prompt_id for it in ro.items for _ in range(g)], dtype=torch.long)
+    adv = group_advantages(
+        ro.rewards,
+        group_ids,
+        ~ro.failed,
+        leave_one_out=loop.use_leave_one_out_baseline,
+        std_scaling="group" if loop.normalize_rewards else "none",
+    ) if n else torch.zeros(0)
+    mask = (~ro.failed).float() if n else torch.zeros(0)
+    if loop.overlong_filtering and n:
+        mask = mask * torch.tensor([r.finish_reason != "length" for r in ro.results], dtype=torch.float32)
+    results = list(ro.results)
+    if not results:  # nothing to train on: one fully masked row keeps the step well-formed
+        first = run.task.train.items[0]
+        results = [GenerationResult(-1, 0, list(first.prompt_token_ids), [run.engine.eos_token_id or 0], [0.0], "stop")]
+        adv, mask = torch.zeros(1), torch.zeros(1)
+    pad = total - len(results)
+    results = results + [results[i % len(results)] for i in range(pad)]
+    adv = torch.cat([adv, torch.zeros(pad)])
+    mask = torch.cat([mask, torch.zeros(pad)])
+    batch = batch_from_sequences(
+        [r.prompt_token_ids for r in results], [r.token_ids for r in results], run.tokenizer.pad_token_id or 0, mask.tolist()
+    )
+    t = batch["input_ids"].shape[1]
+    gen_lp = torch.zeros(len(results), t)
+    for i, r in enumerate(results):
+        p = len(r.prompt_token_ids)
+        gen_lp[i, p : p + len(r.logprobs)] = torch.tensor(r.logprobs)
+    batch["generation_logprobs"] = gen_lp
+    batch["advantages"] = adv[:, None] * batch["token_mask"]
+    metrics = {"advantage_abs_mean": float(adv.abs().sum() / mask.sum().clamp(min=1))}
+    return batch, metrics
+
+
+def add_logprobs(run: Run, batch) -> None:
+    """prev_logprobs from the current weights; reference logprobs when the KL term is on."""
+    run.policy.prepare_for_lp_inference()
+    batch["prev_logprobs"] = run.policy.get_logprobs(batch)
+    if run.cfg.loss.reference_policy_kl_penalty > 0:
+        batch["reference_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
+    else:
+        batch["reference_logprobs"] = torch.zeros_like(batch["prev_logprobs"])
+
+
+def sync_weights(run: Run) -> dict[str, float]:
+    """Trainer weights -> engine, checked on the probe batch; colocated: trainer offloaded after."""
+    run.policy.prepare_for_lp_inference()
+    version = run.policy.get_states()[0]["trainer_version"]
+    metrics = sync_policy_to_engine(run.policy, run.engine, version, run.probe, run.cfg.weight_sync)
+    return {f"weight_sync/{k}": v for k, v in metrics.items()}
+
+
+def colocated_generation_start(run: Run) -> None:
+    """Colocated: the trainer gives the device to the engine (and frees its communicators if asked)."""
+    if not run.cfg.colocated:
+        return
+    run.policy.offload_after_refit()
+    if run.cfg.policy.free_comms_during_generation:
+        run.policy.teardown_comms()
+    run.engine.wake()
+
+
+def colocated_generation_end(run: Run) -> None:
+    if not run.cfg.colocated:
+        return
+    run.engine.sleep(keep_weights=True)
+    if run.cfg.policy.free_comms_during_generation:
+        run.policy.rebuild_comms()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(run: Run) -> dict[str, float]:
+    """Held-out accuracy (greedy when k=1) and pass@k over the eval prompts."""
+    loop = run.cfg.grpo
+    items = run.task.eval.items[: loop.val_max_prompts]
+    k = loop.val_num_generations
+    colocated_generation_start(run)
+    prompts = [list(it.prompt_token_ids) for it in items for _ in range(k)]
+    params = [
+        run.cfg.sampling.model_copy(update={"greedy": k == 1, "seed": loop.seed * 7919 + i}) for i in range(len(prompts))
+    ]
+    results = run.engine.generate(prompts, params)
+    colocated_generation_end(run)
+    texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    flat = [it for it in items for _ in range(k)]
+    res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
+    correct = torch.tensor([(r if not f else 0.0) >= 1.0 for r, f in zip(res.rewards, res.failed)]).view(len(items), k)
+    out = {"val/accuracy": float(correct.float().mean()), "val/reward_failed": float(res.num_failed)}
+    if k > 1:
+        out[f"val/pass@{k}"] = float(correct.any(dim=1).float().mean())
+    return out
+
+
+# --------------------------------------------------------------------------- checkpoint state
+
+
+def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
+    dumped = cfg.model_dump(mode="json")
+    return {k: dumped[k] for k in RESUME_KEYS}
+
+
+def loop_state(run: Run) -> dict[str, Any]:
+    return {"step": run.step, "train_data": run.task.train.state_dict(), "config": _resume_view(run.cfg)}
+
+
+def resume_from(run: Run, ckpt: CheckpointManager) -> None:
+    """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step)."""
+    path = ckpt.resume_path()
+    if path is None:
+        return
+    run.policy.prepare_for_training()
+    extra = run.policy.load_checkpoint(str(path))
+    check_resume_config(extra.get("config", {}), _resume_view(run.cfg), RESUME_KEYS)
+    run.step = int(extra["step"])
+    run.task.train.load_state_dict(extra["train_data"])
+    sync_weights(run)
+    log.warning("resumed from %s at step %d", path, run.step)

@@ -1,0 +1,435 @@
+"""The generation side of asynchronous GRPO: rollout workers, requests in flight, retries, weight pushes.
+
+One request per prompt group, each an asyncio task bounded by `request_timeout_s`; its completion
+callback hands the finished group to the controller and sends out more work. Work goes only to a
+worker that holds the latest published weights and has room (`max_in_flight_per_worker`), and only
+while the groups in flight plus those held by the controller stay under the outstanding cap. A
+worker gets new weights when it has no request in flight, so a request never sees two versions.
+
+Failures: a group that fails (an error result or `RolloutFailure`) is re-queued; a worker that times
+out or is lost (`WorkerLostError`), or fails `max_consecutive_worker_errors` times in a row, is
+retired and all its in-flight groups are re-queued. Each re-queue spends one of the group's
+`max_retries`. Fatal conditions (retry budget spent, too few workers) are stored in `fatal` for the
+controller to raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from posttrain.algorithms.async_metrics import BusyMeter, StepMeter
+from posttrain.algorithms.async_types import (
+    AsyncGRPOError,
+    GroupResult,
+    NoRolloutWorkersError,
+    RetryBudgetExhausted,
+    RolloutFailure,
+    RolloutWorker,
+    WaitTimeout,
+    WorkerLostError,
+    bounded,
+)
+from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger
+from posttrain.logging import get_logger
+
+if TYPE_CHECKING:
+    from posttrain.algorithms.async_grpo import AsyncGRPOConfig
+
+log = get_logger(__name__)
+
+
+class DataCursor:
+    """Position in the prompt dataset: epoch and index into that epoch's (seeded) order."""
+
+    def __init__(self, size: int, num_epochs: int | None, shuffle: bool, seed: int) -> None:
+        self.size, self.num_epochs, self.shuffle, self.seed = size, num_epochs, shuffle, seed
+        self.epoch = 0
+        self.position = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        return self.size == 0 or (self.num_epochs is not None and self.epoch >= self.num_epochs)
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            order = list(range(self.size))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def next(self) -> int | None:
+        """The next prompt index, or None at the end of the last epoch."""
+        if self.exhausted:
+            return None
+        index = self._epoch_order()[self.position]
+        self.position += 1
+        if self.position == self.size:
+            self.epoch, self.position = self.epoch + 1, 0
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(
+                f"the checkpoint's data position is for a dataset of {state['size']} prompts but this one has "
+                f"{self.size}; resume with the same dataset"
+            )
+        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+
+
+@dataclass
+class Request:
+    """One prompt group to generate (kept across retries)."""
+
+    group_id: int
+    prompt_id: int
+    retries: int = 0
+
+
+@dataclass
+class _Slot:
+    """Controller-side state of one rollout worker."""
+
+    index: int
+    worker: RolloutWorker
+    meter: BusyMeter
+    started_at: float
+    version: int | None = None  # weights it holds (None: not pushed yet)
+    alive: bool = True
+    reason: str = ""
+    retired_at: float | None = None
+    errors: int = 0
+    in_flight: set[int] = field(default_factory=set)
+    update: asyncio.Task | None = None
+
+
+class RolloutPool:
+    """Rollout workers and their requests; see the module docstring.
+
+    `on_group(group)` receives every finished group; `held()` is how many groups the controller holds
+    (buffered or in the open step), counted against the outstanding cap.
+    """
+
+    def __init__(
+        self,
+        cfg: AsyncGRPOConfig,
+        dataset: Sequence[Any],
+        workers: Sequence[RolloutWorker],
+        ledger: Ledger,
+        meter: StepMeter,
+        on_group: Callable[[BufferedGroup], None],
+        held: Callable[[], int],
+    ) -> None:
+        if not workers:
+            raise ValueError("asynchronous GRPO needs at least one rollout worker")
+        self.cfg = cfg
+        self.dataset = dataset
+        self.workers = list(workers)
+        self.ledger = ledger
+        self.meter = meter
+        self.on_group = on_group
+        self.held = held
+        self.cursor = DataCursor(len(dataset), cfg.num_epochs, cfg.shuffle, cfg.seed)
+        self.next_group_id = 0
+        self.retry: deque[Request] = deque()
+        self.in_flight: dict[int, tuple[_Slot, Request, asyncio.Task]] = {}
+        self.slots: list[_Slot] = []
+        self.published: tuple[int, Any] | None = None
+        self.paused = True  # no dispatch until weights are published
+        self.stopping = False
+        self.fatal: BaseException | None = None
+        self.wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ controller-facing
+
+    def start(self) -> None:
+        self.stopping, self.fatal, self.paused = False, None, True
+        self.wake = asyncio.Event()
+        if not self.slots:
+            now = time.monotonic()
+            self.slots = [_Slot(i, w, BusyMeter(time.monotonic), now) for i, w in enumerate(self.workers)]
+
+    def publish(self, version: int, weights: Any) -> None:
+        """New weights: idle workers load them; dispatch resumes."""
+        self.published = (version, weights)
+        self.paused = False
+        self.changed()
+
+    def pause(self) -> None:
+        """No new requests until the next `publish` (between finish and the new weights going out)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self.changed()
+
+    @property
+    def published_version(self) -> int | None:
+        return self.published[0] if self.published is not None else None
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, nothing waiting for a retry, no data left."""
+        return self.cursor.exhausted and not self.retry and not self.in_flight
+
+    def alive(self) -> list[_Slot]:
+        return [s for s in self.slots if s.alive]
+
+    def dead_workers(self) -> dict[int, str]:
+        return {s.index: s.reason for s in self.slots if not s.alive}
+
+    def generation_time(self) -> tuple[float, float]:
+        """(busy seconds, alive seconds) summed over all rollout workers so far."""
+        now = time.monotonic()
+        busy = sum(s.meter.total() for s in self.slots)
+        alive = sum((s.retired_at if s.retired_at is not None else now) - s.started_at for s in self.slots)
+        return busy, alive
+
+    def describe(self) -> str:
+        return (
+            f"in_flight={len(self.in_flight)}, retry_queue={len(self.retry)}, "
+            f"alive workers={[s.index for s in self.alive()]}, "
+            f"data epoch={self.cursor.epoch} position={self.cursor.position}"
+        )
+
+    def requests(self) -> list[Request]:
+        """Every handed-out request not finished yet (waiting for a retry or in flight)."""
+        return list(self.retry) + [req for _, req, _ in self.in_flight.values()]
+
+    def restore(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.ledger.move(req.group_id, GroupState.PENDING)
+            self.retry.append(req)
+
+    def changed(self) -> None:
+        """Something finished: hand out more work and wake the trainer."""
+        self.fill()
+        self.wake.set()
+
+    def set_fatal(self, err: BaseException) -> None:
+        if self.fatal is None:
+            log.error("async GRPO stops: %s", err)
+            self.fatal = err
+        self.wake.set()
+
+    async def shutdown(self) -> None:
+        """Cancel in-flight work (its groups go back to the queue, uncharged) within shutdown_timeout_s."""
+        self.stopping = True
+        tasks = []
+        for group_id in sorted(self.in_flight):
+            _, req, task = self._untrack(group_id)
+            task.cancel()
+            tasks.append(task)
+            self.ledger.move(group_id, GroupState.PENDING)
+            self.retry.append(req)
+        for slot in self.slots:
+            if slot.update is not None:
+                slot.update.cancel()
+                tasks.append(slot.update)
+                slot.update = None
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.cfg.shutdown_timeout_s)
+            if pending:
+                log.warning("%d rollout call(s) ignored cancellation at shutdown", len(pending))
+        self.retry = deque(sorted(self.retry, key=lambda r: r.group_id))
+
+    # ------------------------------------------------------------------ dispatch
+
+    def fill(self) -> None:
+        """Send requests while there is work, room under the cap and a ready worker."""
+        if self.stopping or self.fatal is not None:
+            return
+        for slot in self.alive():
+            self._maybe_update(slot)
+        while self.retry or not self.cursor.exhausted:
+            alive = self.alive()
+            if len(alive) < self.cfg.min_alive_workers:
+                reasons = "; ".join(f"worker {i}: {r}" for i, r in self.dead_workers().items())
+                self.set_fatal(
+                    NoRolloutWorkersError(
+                        f"{len(alive)} rollout worker(s) left (min_alive_workers={self.cfg.min_alive_workers}) "
+                        f"with prompts still to generate. Lost: {reasons}"
+                    )
+                )
+                return
+            if self.paused or len(self.in_flight) + self.held() >= self.cfg.outstanding_cap:
+                return
+            ready = [
+                s
+                for s in alive
+                if s.update is None
+                and s.version == self.published_version
+                and len(s.in_flight) < self.cfg.max_in_flight_per_worker
+            ]
+            if not ready:
+                return
+            slot = min(ready, key=lambda s: (len(s.in_flight), s.index))
+            req = self.retry.popleft() if self.retry else self._new_request()
+            if req is None:
+                return
+            self._dispatch(slot, req)
+
+    def _new_request(self) -> Request | None:
+        index = self.cursor.next()
+        if index is None:
+            return None
+        req = Request(self.next_group_id, index)
+        self.next_group_id += 1
+        return req
+
+    def _dispatch(self, slot: _Slot, req: Request) -> None:
+        version = slot.version
+        assert version is not None
+        task = asyncio.ensure_future(self._generate(slot, req, self.dataset[req.prompt_id], version))
+        self.ledger.move(req.group_id, GroupState.IN_FLIGHT)
+        self.in_flight[req.group_id] = (slot, req, task)
+        slot.in_flight.add(req.group_id)
+        slot.meter.start()
+        task.add_done_callback(functools.partial(self._on_request_done, req.group_id, version))
+
+    async def _generate(self, slot: _Slot, req: Request, prompt: Any, version: int) -> GroupResult:
+        # the worker's coroutine is made here, so a task cancelled before it starts leaves none unawaited
+        what = f"rollout worker {slot.index} (group {req.group_id})"
+        return await bounded(slot.worker.generate_group(prompt, version), self.cfg.request_timeout_s, what)
+
+    def _untrack(self, group_id: int) -> tuple[_Slot, Request, asyncio.Task]:
+        slot, req, task = self.in_flight.pop(group_id)
+        slot.in_flight.discard(group_id)
+        slot.meter.stop()
+        return slot, req, task
+
+    # ------------------------------------------------------------------ completions
+
+    def _on_request_done(self, group_id: int, version: int, task: asyncio.Task) -> None:
+        entry = self.in_flight.get(group_id)
+        if entry is None or entry[2] is not task:
+            return  # an abandoned attempt (its worker was retired, or the run is shutting down)
+        slot, req, _ = self._untrack(group_id)
+        try:
+            try:
+                result = task.result()
+            except asyncio.CancelledError:
+                self._request_failed(slot, req, RolloutFailure("the request was cancelled"))
+            except Exception as e:
+                self._request_failed(slot, req, e)
+            else:
+                self._accept(slot, req, version, result)
+        except Exception as e:  # a bug or a fatal condition: stop the run with it
+            self.set_fatal(e)
+        self.changed()
+
+    def _accept(self, slot: _Slot, req: Request, version: int, result: GroupResult) -> None:
+        if not isinstance(result, GroupResult):
+            raise AsyncGRPOError(
+                f"rollout worker {slot.index} returned {type(result).__name__}; generate_group must return "
+                "a GroupResult"
+            )
+        slot.errors = 0
+        if result.error is not None:
+            self._requeue(req, f"worker {slot.index}: {result.error}")
+            return
+        if result.weight_version != version:
+            raise AsyncGRPOError(
+                f"rollout worker {slot.index} stamped group {req.group_id} with weight version "
+                f"{result.weight_version} but was asked to generate it with {version}: its weights changed "
+                "during the request"
+            )
+        self.meter.count("finished")
+        self.meter.count("generated_samples", result.num_samples)
+        self.on_group(
+            BufferedGroup(
+                req.group_id, req.prompt_id, version, 0, result.samples, result.num_samples, req.retries
+            )
+        )
+
+    def _request_failed(self, slot: _Slot, req: Request, exc: BaseException) -> None:
+        reason = f"worker {slot.index}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, (WaitTimeout, WorkerLostError)):
+            self._retire(slot, reason)
+        elif not isinstance(exc, RolloutFailure):
+            slot.errors += 1
+            if slot.errors >= self.cfg.max_consecutive_worker_errors:
+                self._retire(slot, f"{slot.errors} request errors in a row, the last: {reason}")
+        self._requeue(req, reason)
+
+    def _requeue(self, req: Request, reason: str) -> None:
+        """Re-admit a group whose attempt failed, unless its retry budget is spent."""
+        req.retries += 1
+        if req.retries <= self.cfg.max_retries:
+            log.warning("retrying group %d (attempt %d): %s", req.group_id, req.retries + 1, reason)
+            self.meter.count("retried")
+            self.ledger.move(req.group_id, GroupState.PENDING)
+            self.retry.append(req)
+            return
+        self.ledger.move(req.group_id, GroupState.FAILED)
+        self.meter.count("failed")
+        msg = (
+            f"group {req.group_id} (prompt {req.prompt_id}) failed {req.retries} times, more than "
+            f"max_retries={self.cfg.max_retries}; last error: {reason}"
+        )
+        if self.cfg.on_retries_exhausted == "drop":
+            log.warning("%s; dropped (on_retries_exhausted='drop')", msg)
+            return
+        self.set_fatal(
+            RetryBudgetExhausted(
+                f"{msg}. Fix the failing generation/reward, raise max_retries, or set "
+                "on_retries_exhausted='drop' to skip such prompts"
+            )
+        )
+
+    def _retire(self, slot: _Slot, reason: str) -> None:
+        """Stop using a worker; its in-flight groups are re-queued."""
+        if not slot.alive:
+            return
+        log.warning("rollout worker %d retired: %s", slot.index, reason)
+        slot.alive, slot.reason, slot.retired_at = False, reason, time.monotonic()
+        for group_id in sorted(slot.in_flight):
+            _, req, task = self._untrack(group_id)
+            task.cancel()
+            self._requeue(req, f"worker {slot.index} retired ({reason})")
+        if slot.update is not None:
+            slot.update.cancel()
+            slot.update = None
+
+    # ------------------------------------------------------------------ weight pushes
+
+    def _maybe_update(self, slot: _Slot) -> None:
+        """Push the published weights to an idle worker that lacks them."""
+        if self.published is None or slot.update is not None or slot.in_flight:
+            return
+        version, weights = self.published
+        if slot.version == version:
+            return
+        slot.update = asyncio.ensure_future(self._set_weights(slot, version, weights))
+        slot.update.add_done_callback(functools.partial(self._on_update_done, slot, version))
+
+    async def _set_weights(self, slot: _Slot, version: int, weights: Any) -> None:
+        what = f"set_weights(version {version}) on rollout worker {slot.index}"
+        await bounded(slot.worker.set_weights(version, weights), self.cfg.weight_sync_timeout_s, what)
+
+    def _on_update_done(self, slot: _Slot, version: int, task: asyncio.Task) -> None:
+        if slot.update is not task:
+            return
+        slot.update = None
+        try:
+            try:
+                task.result()
+            except (Exception, asyncio.CancelledError) as e:
+                self._retire(slot, f"set_weights(version {version}) failed: {type(e).__name__}: {e}")
+            else:
+                slot.version = version
+                self.meter.count("weight_pushes")
+        except Exception as e:
+            self.set_fatal(e)
+        self.changed()
