@@ -1,14 +1,16 @@
 """Command line: posttrain demo | grpo | sft | export | generate.
 
-Every training command takes `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`).
+Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from rich.console import Console
+from rich.table import Table
 
 from posttrain.config import ConfigError, load_config
 
@@ -27,14 +29,86 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grpo(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+
+    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    result = run_grpo(cfg)
+    console.print(
+        f"[bold green]GRPO done[/]: reward {result.get('reward', float('nan')):.3f}, held-out accuracy "
+        f"{result.get('val/accuracy', float('nan')):.3f}; outputs in {cfg.output_dir}"
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.demo import DemoConfig, run_demo
+
+    cfg = load_config(DemoConfig, args.config, args.overrides)
+    t0 = time.perf_counter()
+    res = run_demo(cfg)
+    table = Table(title="posttrain demo: arithmetic, tiny model, SFT warm start then GRPO")
+    for col in ("stage", "held-out accuracy"):
+        table.add_column(col)
+    table.add_row("after SFT warm start", f"{100 * res['accuracy_after_sft']:.1f}%")
+    table.add_row("after GRPO", f"{100 * res['accuracy_after_grpo']:.1f}%")
+    console.print(table)
+    console.print(
+        f"gain: [bold]{res['gain_points']:+.1f} points[/] in {time.perf_counter() - t0:.0f} s; "
+        f"metrics and curves.png in {cfg.output_dir}/grpo"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from posttrain.checkpoint import export_hf
+
+    out = export_hf(args.checkpoint, args.out, args.dtype)
+    console.print(f"[bold green]exported[/] {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from posttrain.generation.engine import GenerationEngine
+    from posttrain.generation.params import SamplingParams
+    from posttrain.models.hf import load_model, load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    engine = GenerationEngine(load_model(args.model), tok)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy, seed=args.seed
+    )
+    prompts = [tok(p, add_special_tokens=True)["input_ids"] for p in args.prompts]
+    for prompt, res in zip(args.prompts, engine.generate(prompts, params)):
+        console.print(f"[bold]{prompt}[/]{tok.decode(res.token_ids, skip_special_tokens=True)}  [dim]({res.finish_reason})[/]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, text in [("sft", _sft, "supervised fine-tuning (warm start)")]:
+    for name, fn, text in [
+        ("demo", _demo, "built-in demo: SFT warm start then GRPO on arithmetic (CPU, minutes)"),
+        ("grpo", _grpo, "GRPO training"),
+        ("sft", _sft, "supervised fine-tuning (warm start)"),
+    ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
         p.set_defaults(func=fn)
+    p = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face directory")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.set_defaults(func=_export)
+    p = sub.add_parser("generate", help="sample completions from a Hugging Face model directory")
+    p.add_argument("model")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_generate)
     return parser
 
 
@@ -45,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[bold red]config error[/]: {e}")
         return 2
+    except ValueError as e:  # a user's mistake: the message says how to fix it
+        console.print(f"[bold red]error[/]: {e}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,14 +24,15 @@ group is refused with a `ValueError`. Host-side groups (gloo) held next to devic
 GPU are left alone; on CPU, gloo is the device backend and its groups are torn down.
 
 Failures raise `CommsError` naming the group; the snapshot records what is done, so calling the same
-function again finishes the job. Creating groups is collective: every rank must call `rebuild` (in the
-same order of groups, which `collect_groups` guarantees for ranks that share a model layout).
+function again finishes the job. Teardown is local to the rank. Rebuild is collective over the default
+group: the ranks exchange their group lists and create every group in one agreed order, so that each
+new group gets a fresh name (a reused name would reuse the destroyed group's rendezvous keys).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -111,7 +112,9 @@ class CommsSnapshot:
     groups: list[GroupSpec]
     holders: list[_Holder]
     live: list[Any]  # the old group while not yet destroyed, else None
-    new: list[Any] = field(default_factory=list)  # groups created by rebuild (None until created)
+    plan: list[GroupSpec] | None = None  # every rank's groups, in the order all ranks create them
+    mine: list[int] = field(default_factory=list)  # plan index of each of this rank's groups
+    created: list[Any] = field(default_factory=list)  # per plan entry: new group, None (not a member)
     detached: bool = False
     rebuilt: bool = False
 
@@ -275,15 +278,9 @@ def _destroy(pg: dist.ProcessGroup) -> None:
 
 
 def _create(spec: GroupSpec) -> dist.ProcessGroup:
-    """Create one group like `spec` among its members only (module-level so tests can inject a failure)."""
+    """Create one group like `spec`; every rank calls it (module-level so tests can inject a failure)."""
     timeout = timedelta(seconds=spec.timeout_s) if spec.timeout_s is not None else None
-    return dist.new_group(
-        list(spec.ranks),
-        timeout=timeout,
-        backend=spec.backend,
-        group_desc=spec.desc,
-        use_local_synchronization=True,
-    )
+    return dist.new_group(list(spec.ranks), timeout=timeout, backend=spec.backend, group_desc=spec.desc)
 
 
 def _detach(snap: CommsSnapshot) -> None:
@@ -340,10 +337,41 @@ def teardown(snap: CommsSnapshot) -> dict[str, Any]:
     return _stats(snap, "groups_destroyed", destroyed, start, before)
 
 
+def _world_plan(snap: CommsSnapshot) -> tuple[list[GroupSpec], list[int]]:
+    """Every group of every rank, in one order all ranks agree on, and where this rank's groups are in it.
+
+    Groups are created world-collectively (`new_group` without local synchronization) because only then
+    does each get a fresh name: a reused name would reuse the store keys of the destroyed group (gloo's
+    and NCCL's rendezvous would read stale addresses or ids). The rank lists are exchanged over the
+    default group, which is never torn down.
+    """
+    own, seen = [], {}
+    for spec in snap.groups:
+        key = (spec.ranks, spec.backend, spec.desc, spec.timeout_s)
+        seen[key] = seen.get(key, -1) + 1
+        own.append((*key, seen[key]))  # the n-th group with this signature on this rank
+    everyone = [own]
+    if dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, own)
+    index: dict[tuple, int] = {}
+    for keys in everyone:
+        for key in keys:
+            index.setdefault(tuple(key), len(index))
+    plan = [GroupSpec("", desc, tuple(ranks), backend, t) for ranks, backend, desc, t, _ in index]
+    mine = [index[key] for key in own]
+    for spec, i in zip(snap.groups, mine):
+        plan[i] = replace(plan[i], name=spec.name)  # this rank's old name, for messages
+    return plan, mine
+
+
+_PENDING = object()
+
+
 def rebuild(snap: CommsSnapshot) -> tuple[DeviceMesh | None, dict[str, Any]]:
-    """Recreate the groups of `snap` and re-bind them everywhere they were referenced (collective over
-    each group's ranks). Finishes a partial teardown first. Returns (the data-parallel mesh, stats:
-    groups_created, groups_destroyed, seconds, device bytes as in `teardown`).
+    """Recreate the groups of `snap` and re-bind them everywhere they were referenced (collective: every
+    rank of the default group calls it). Finishes a partial teardown first. Returns (the first mesh
+    found, stats: groups_created (this rank's), groups_destroyed, seconds, device bytes as in `teardown`).
 
     Raises `CommsError` naming the group that could not be created; groups already created are kept,
     and calling `rebuild(snap)` again (on every rank) creates the rest.
@@ -354,20 +382,25 @@ def rebuild(snap: CommsSnapshot) -> tuple[DeviceMesh | None, dict[str, Any]]:
     start = time.perf_counter()
     before = _device_used_bytes(snap.device_type)
     destroyed = teardown(snap)["groups_destroyed"]  # finishes a partial teardown; 0 otherwise
-    if not snap.new:
-        snap.new = [None] * len(snap.groups)
-    created = 0
-    for i, spec in enumerate(snap.groups):
-        if snap.new[i] is not None:
+    if snap.plan is None:
+        try:
+            snap.plan, snap.mine = _world_plan(snap)
+        except Exception as e:
+            raise CommsError(f"could not agree on the groups to create over the default group: {e}") from e
+        snap.created = [_PENDING] * len(snap.plan)
+    rank, created = dist.get_rank(), 0
+    for i, spec in enumerate(snap.plan):
+        if snap.created[i] is not _PENDING:
             continue
         try:
-            snap.new[i] = _create(spec)
+            pg = _create(spec)
         except Exception as e:
             raise CommsError(
-                f"failed to create process group {spec.describe()}: {e}; {created} group(s) created "
-                "before it. Call rebuild_comms() again (on every rank) to retry"
+                f"failed to create process group {spec.describe()}: {e}; the groups before it are kept. "
+                "Call rebuild_comms() again (on every rank) to retry"
             ) from e
-        created += 1
+        snap.created[i] = pg if rank in spec.ranks else None
+        created += rank in spec.ranks
     _rebind(snap)
     stats = _stats(snap, "groups_created", created, start, before)
     stats["groups_destroyed"] = destroyed
@@ -376,7 +409,7 @@ def rebuild(snap: CommsSnapshot) -> tuple[DeviceMesh | None, dict[str, Any]]:
 
 def _rebind(snap: CommsSnapshot) -> None:
     for h in snap.holders:
-        pg = snap.new[h.group]
+        pg = snap.created[snap.mine[h.group]]
         if h.kind == "attr":
             vars(h.obj)[h.key] = pg
         elif h.kind == "item":

@@ -1,0 +1,56 @@
+"""Group-relative advantages: baselines, std scaling, failed samples, group identity by prompt id."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.advantages import group_advantages, zero_variance_groups
+
+
+def test_group_mean_baseline_with_std_scaling():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3])
+    adv = group_advantages(rewards, groups, std_scaling="group")
+    std = torch.tensor([1.0, 0.0, 1.0, 0.0]).std()
+    torch.testing.assert_close(adv[:4], (torch.tensor([0.5, -0.5, 0.5, -0.5]) / (std + 1e-6)).float())
+    assert torch.all(adv[4:] == 0)
+
+
+def test_leave_one_out_and_no_std():
+    rewards = torch.tensor([3.0, 1.0, 2.0])
+    adv = group_advantages(rewards, torch.zeros(3, dtype=torch.long), leave_one_out=True, std_scaling="none")
+    torch.testing.assert_close(adv, torch.tensor([3 - 1.5, 1 - 2.5, 2 - 2.0]))
+
+
+def test_batch_std_scaling():
+    rewards = torch.tensor([1.0, 0.0, 4.0, 2.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    adv = group_advantages(rewards, groups, std_scaling="batch")
+    expected = torch.tensor([0.5, -0.5, 1.0, -1.0]) / (rewards.std() + 1e-6)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_failed_samples_are_excluded_not_zeroed():
+    """A failed reward (NaN) must not pull the baseline down as a 0 would."""
+    rewards = torch.tensor([1.0, math.nan, 1.0, 0.0])
+    adv = group_advantages(rewards, torch.zeros(4, dtype=torch.long), std_scaling="none")
+    mean = (1 + 1 + 0) / 3
+    torch.testing.assert_close(adv, torch.tensor([1 - mean, 0.0, 1 - mean, -mean]))
+    valid = torch.tensor([True, True, False, True])
+    adv2 = group_advantages(torch.tensor([1.0, 0.0, 5.0, 0.0]), torch.zeros(4, dtype=torch.long), valid, std_scaling="none")
+    assert adv2[2] == 0 and adv2[0] == pytest.approx(1 - 1 / 3)
+
+
+def test_groups_by_prompt_id_not_by_position():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    interleaved = group_advantages(rewards, torch.tensor([5, 9, 5, 9]), std_scaling="none")
+    torch.testing.assert_close(interleaved, torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_zero_variance_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert zero_variance_groups(rewards, groups, torch.ones(6, dtype=torch.bool)) == {0, 2}
