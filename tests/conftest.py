@@ -55,3 +55,13 @@ def ray_session():
     ensure_ray(num_cpus=8)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped (with the reason) on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marker gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

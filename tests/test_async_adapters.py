@@ -148,6 +148,9 @@ def test_policy_trainer_error_aborts_the_policy_step(policy):
     state = policy.get_states()[0]
     assert not state["step_open"] and state["trainer_version"] == start == trainer.version
     assert len(ctrl.sampler) >= 2 and not ctrl.ledger.ids(GroupState.TRAINING)
+    bounded_run(trainer.abort())  # idempotent on the real Policy too
+    bounded_run(trainer.abort())
+    assert policy.get_states()[0]["trainer_version"] == start
     trainer.close()
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
 from posttrain.algorithms.async_types import (
+    AsyncGRPOError,
     NoRolloutWorkersError,
     RetryBudgetExhausted,
     SamplesCodec,
@@ -276,6 +277,15 @@ def test_retry_budget_exhausted_is_a_clear_error():
     check_ledger(ctrl, trainer)
 
 
+def test_retry_budget_exhausted_in_the_last_step_still_raises():
+    workers = [FakeRolloutWorker("w0", fail_prompts={1: 10}), FakeRolloutWorker("w1", fail_prompts={1: 10})]
+    ctrl, trainer, _ = make(16, workers, num_steps=1, max_retries=0, max_outstanding_groups=8)
+    with pytest.raises(RetryBudgetExhausted, match="prompt 1"):
+        bounded_run(ctrl.run())
+    assert not trainer.open
+    check_ledger(ctrl, trainer)
+
+
 def test_retry_budget_exhausted_drop_mode_goes_on():
     workers = [FakeRolloutWorker("w0", fail_prompts={3: 10})]
     ctrl, trainer, _ = make(8, workers, max_retries=1, on_retries_exhausted="drop", max_staleness=3)
@@ -290,6 +300,20 @@ def test_all_workers_dead_is_a_clear_error():
     with pytest.raises(NoRolloutWorkersError, match="0 rollout worker.*worker 0: .*died"):
         bounded_run(ctrl.run())
     assert not trainer.open
+    check_ledger(ctrl, trainer)
+
+
+def test_a_group_stamped_with_another_version_stops_the_run():
+    class Liar(FakeRolloutWorker):
+        async def generate_group(self, prompt, weight_version):
+            result = await super().generate_group(prompt, weight_version)
+            result.weight_version += 1
+            return result
+
+    ctrl, trainer, _ = make(8, [Liar("liar")])
+    with pytest.raises(AsyncGRPOError, match="weights changed during the request"):
+        bounded_run(ctrl.run())
+    assert ctrl.ledger.counts()["pending"] >= 1  # the group is kept, not lost
     check_ledger(ctrl, trainer)
 
 
@@ -357,7 +381,7 @@ def test_state_dict_resume_trains_every_prompt_once(with_codec):
     first = trained_prompts(trainer)
 
     resumed, trainer2, workers2 = make(
-        24, trainer=FakeTrainer(version_=2), codec=codec, max_staleness=8, max_outstanding_groups=12
+        24, trainer=FakeTrainer(start_version=2), codec=codec, max_staleness=8, max_outstanding_groups=12
     )
     resumed.load_state_dict(state)
     summary = bounded_run(resumed.run())

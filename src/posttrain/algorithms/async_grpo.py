@@ -190,6 +190,8 @@ class AsyncGRPOController:
         finally:
             await self.pool.shutdown()
             self._running = False
+        if self.pool.fatal is not None:  # it came after the last step: still an error
+            raise self.pool.fatal
         return self.summary()
 
     def summary(self) -> RunSummary:

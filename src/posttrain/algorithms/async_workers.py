@@ -146,8 +146,12 @@ class PolicyTrainer:
         """Any blocking call, serialized with the Policy verbs."""
         return await self._thread.call(fn, *args)
 
+    def _begin(self, loss_fn: LossFn) -> None:
+        self.policy.prepare_for_training()  # idempotent; a weight export may have left it in INFERENCE
+        self.policy.begin_train_step(loss_fn)
+
     async def begin(self, loss_fn: LossFn) -> None:
-        await self.call(self.policy.begin_train_step, loss_fn)
+        await self.call(self._begin, loss_fn)
 
     async def train_group(self, batch: Any) -> None:
         await self.call(self.policy.train_microbatch, batch)

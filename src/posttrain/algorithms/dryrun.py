@@ -165,7 +165,7 @@ class FakeTrainer:
     call index (0-based, per verb) that raises / never returns.
     """
 
-    version_: int = 0
+    start_version: int = 0
     train_latency: float = 0.0
     finish_latency: float = 0.0
     fail_on: dict[str, int] = field(default_factory=dict)
@@ -177,9 +177,12 @@ class FakeTrainer:
     calls: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._version = self.start_version
+
     @property
     def version(self) -> int:
-        return self.version_
+        return self._version
 
     @property
     def trained_group_ids(self) -> list[int]:
@@ -200,17 +203,17 @@ class FakeTrainer:
         if self.open:
             raise RuntimeError("begin_train_step() called while a train step is already open")
         self.open, self.current = True, []
-        self.events.append(("begin", self.version_))
+        self.events.append(("begin", self._version))
 
     async def train_group(self, batch: FakeBatch) -> None:
         await self._enter("train_group")
         if not self.open:
             raise RuntimeError("train_microbatch() called without an open train step")
-        if batch.trainer_version != self.version_:
+        if batch.trainer_version != self._version:
             self.violations.append(f"group {batch.group_id} prepared at {batch.trainer_version}")
         await asyncio.sleep(self.train_latency)
         self.current.append(batch)
-        self.events.append(("train", batch.group_id, batch.weight_version, self.version_))
+        self.events.append(("train", batch.group_id, batch.weight_version, self._version))
 
     async def finish(self) -> dict[str, float]:
         await self._enter("finish")
@@ -220,19 +223,19 @@ class FakeTrainer:
         self.open = False
         samples = float(sum(b.num_samples for b in self.current))
         if not self.current:  # like the Policy: no valid tokens -> the step is skipped
-            self.events.append(("skip", self.version_))
+            self.events.append(("skip", self._version))
             return {"step_skipped": 1.0}
         self.steps.append(self.current)
         self.current = []
-        self.version_ += 1
-        self.events.append(("finish", self.version_))
-        return {"loss": 0.0, "num_valid_samples": samples, "trainer_version": float(self.version_)}
+        self._version += 1
+        self.events.append(("finish", self._version))
+        return {"loss": 0.0, "num_valid_samples": samples, "trainer_version": float(self._version)}
 
     async def abort(self) -> None:
         await self._enter("abort")
         self.open, self.current = False, []
-        self.events.append(("abort", self.version_))
+        self.events.append(("abort", self._version))
 
     async def export_weights(self) -> dict[str, int]:
         await self._enter("export_weights")
-        return {"version": self.version_}
+        return {"version": self._version}

@@ -325,7 +325,10 @@ class RolloutPool:
                 self._request_failed(slot, req, e)
             else:
                 self._accept(slot, req, version, result)
-        except Exception as e:  # a bug or a fatal condition: stop the run with it
+        except Exception as e:  # a bug or a fatal condition: stop the run with it, keeping the group
+            if self.ledger.states.get(req.group_id) == GroupState.IN_FLIGHT:
+                self.ledger.move(req.group_id, GroupState.PENDING)
+                self.retry.append(req)
             self.set_fatal(e)
         self.changed()
 

@@ -254,7 +254,8 @@ class GenerationEngine:
         ar = self._arange[:width]
         mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
         self.cache.plan_prefill(n0, k)
-        logits = self._forward_at(ids, ar[None, :].expand(k, width), mask[:, None], lengths - 1)
+        mask = self._additive(mask)[:, None]
+        logits = self._forward_at(ids, ar[None, :].expand(k, width), mask, lengths - 1)
         for r in chunk:
             r.weight_version = self.weight_version
         self._active.extend(chunk)
@@ -285,6 +286,12 @@ class GenerationEngine:
         finally:
             handle.remove()
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean attention mask as an additive float one (0 / dtype min): sdpa takes its fast path
+        on strided KV-cache views with float masks, not with boolean ones (measured on CPU)."""
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
     def _forward(self, ids, position_ids, mask) -> torch.Tensor:
         out = self.model(
             input_ids=ids,
@@ -306,7 +313,7 @@ class GenerationEngine:
             )
         length = max(r.position for r in self._active) + 1
         pos = self._pos[:n]
-        mask = (self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
+        mask = self._additive(self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
         self.cache.plan_decode(n, pos, length)
         logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
         tokens, logprobs = sample(logits, self._rows, self._count[:n])

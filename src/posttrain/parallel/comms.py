@@ -32,6 +32,7 @@ new group gets a fresh name (a reused name would reuse the destroyed group's ren
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -237,15 +238,25 @@ def fsdp_states(model: torch.nn.Module) -> list[Any]:
 
 
 def collect_groups(
-    model: torch.nn.Module | None, mesh: DeviceMesh | None = None, device_type: str | None = None
+    models: torch.nn.Module | Sequence[torch.nn.Module] | None,
+    mesh: DeviceMesh | None = None,
+    device_type: str | None = None,
 ) -> CommsSnapshot:
-    """Every device process group that `mesh` and `model` hold, and every reference to it (no side
-    effects). The order is deterministic, so ranks with the same layout list their groups alike."""
+    """Every device process group that `mesh` and `models` hold, and every reference to it (no side
+    effects). The order is deterministic, so ranks with the same layout list their groups alike.
+
+    Pass every FSDP model of the process at once: torch's sharding-propagation cache hands a model the
+    DTensor specs (hence the mesh) of an earlier model whose mesh compares equal, so models built in one
+    process can share meshes, and a group torn down for one must be re-bound in all.
+    """
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    models = list(models or [])
     if device_type is None:
-        device_type = mesh.device_type if mesh is not None else _model_device_type(model)
+        device_type = mesh.device_type if mesh is not None else _model_device_type(models)
     walker = _Walker(device_type)
     walker.visit(mesh)
-    if model is not None:
+    for model in models:
         for state in fsdp_states(model):
             walker.visit(state)
         for p in model.parameters():
@@ -255,8 +266,8 @@ def collect_groups(
     return CommsSnapshot(device_type, meshes, specs, walker.holders, list(walker.groups))
 
 
-def _model_device_type(model: torch.nn.Module | None) -> str:
-    states = fsdp_states(model) if model is not None else []
+def _model_device_type(models: list[torch.nn.Module]) -> str:
+    states = [s for m in models for s in fsdp_states(m)]
     return states[0]._device.type if states else "cpu"
 
 
