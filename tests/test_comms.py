@@ -116,17 +116,22 @@ def _bitwise_rank(rank, world, port, out_dir):
     )
 
 
+def _cycle(worker, probe) -> None:
+    worker.teardown_comms()
+    worker.rebuild_comms()
+    worker.get_logprobs(probe)  # the rebuilt group carries FSDP all-gathers, as in a real run
+
+
 def _cycles_rank(rank, world, port, out_dir, cycles):
     worker = make_worker(rank, world, port)
     worker.train(rank_batch(rank, world, 0), ClippedPGLoss())
+    probe = rank_batch(rank, world, 1)[:1]
     for _ in range(3):  # warm-up: first-use allocations are not leaks
-        worker.teardown_comms()
-        worker.rebuild_comms()
+        _cycle(worker, probe)
     before = proc_usage()
     start = time.perf_counter()
     for _ in range(cycles):
-        worker.teardown_comms()
-        worker.rebuild_comms()
+        _cycle(worker, probe)
     per_cycle_s = (time.perf_counter() - start) / cycles
     after = proc_usage()
     metrics = worker.train(rank_batch(rank, world, 1), ClippedPGLoss())
@@ -277,7 +282,7 @@ def test_fifty_cycles_do_not_leak_fds_threads_or_memory(tmp_path):
     for rank, r in enumerate(results):
         b, a = r["before"], r["after"]
         print(
-            f"rank {rank}: {r['per_cycle_s'] * 1e3:.1f} ms per teardown+rebuild cycle; "
+            f"rank {rank}: {r['per_cycle_s'] * 1e3:.1f} ms per teardown+rebuild+logprobs cycle; "
             f"fds {b['fds']}->{a['fds']}, threads {b['threads']}->{a['threads']}, "
             f"rss {b['rss'] / 2**20:.1f}->{a['rss'] / 2**20:.1f} MiB"
         )
@@ -364,13 +369,19 @@ def test_policy_verbs_on_two_ray_ranks(ray_session):
 
 
 def _gpu_rank(rank, world, port, out_dir):
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic kernels, so "identical" means it
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)  # its backward uses atomics
     cycled = make_worker(rank, world, port, parallel={"fsdp": "always"})
     plain = make_worker(rank, world, port, parallel={"fsdp": "always"})
-    cycled.train(rank_batch(rank, world, 0), ClippedPGLoss())  # opens the NCCL communicator
+    for worker in (cycled, plain):
+        worker.train(rank_batch(rank, world, 0), ClippedPGLoss())
+        group = next(worker.model.parameters()).device_mesh.get_group()
+        torch.distributed.all_reduce(torch.ones(1, device=worker.device), group=group)  # NCCL comm is open
     down = cycled.teardown_comms()
     up = cycled.rebuild_comms()
     losses_c, _ = _train_three_steps(cycled, rank, world, cycle=True)
-    plain.train(rank_batch(rank, world, 0), ClippedPGLoss())
     losses_p, _ = _train_three_steps(plain, rank, world, cycle=False)
     params_c, params_p = local_params(cycled), local_params(plain)
     same = all(torch.equal(params_c[n], params_p[n]) for n in params_c)

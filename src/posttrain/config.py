@@ -142,10 +142,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`update` merged into `base` (new dict). A section whose `name` changes (a different member of a
+    discriminated union, e.g. another task) replaces the base section instead of merging into it."""
+    out = dict(base)
+    for key, value in update.items():
+        old = out.get(key)
+        same_kind = not (isinstance(value, dict) and "name" in value and isinstance(old, dict) and old.get("name") != value["name"])
+        if isinstance(old, dict) and isinstance(value, dict) and same_kind:
+            out[key] = deep_merge(old, value)
+        else:
+            out[key] = value
+    return out
+
+
 def build_config(cls: type[C], data: dict[str, Any]) -> C:
-    """Validate a nested dict into `cls`, raising ConfigError with fix-it messages."""
+    """Validate a nested dict into `cls` on top of its defaults (so a nested override keeps the other
+    defaults of its section), raising ConfigError with fix-it messages."""
     try:
-        return cls.model_validate(data)
+        defaults = cls().model_dump(mode="json")
+    except ValidationError:  # a config with required fields has no complete default
+        defaults = {}
+    try:
+        return cls.model_validate(deep_merge(defaults, data))
     except ValidationError as err:
         raise ConfigError(format_validation_error(cls, err)) from None
 

@@ -39,7 +39,8 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Writes one JSON object per `log()` call to `<run_dir>/metrics.jsonl`; mirrors to TB / W&B if enabled."""
+    """Writes one JSON object per `log()` call to `<run_dir>/metrics.jsonl` (appending when a run resumes,
+    else starting the file afresh); mirrors scalars to TensorBoard / W&B when enabled."""
 
     def __init__(
         self,
@@ -47,11 +48,12 @@ class MetricsLogger:
         tensorboard: bool = False,
         wandb_project: str | None = None,
         run_name: str | None = None,
+        append: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = self.path.open("a" if append else "w")
         self._tb = None
         self._wandb = None
         if tensorboard:

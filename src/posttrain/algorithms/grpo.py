@@ -27,7 +27,6 @@ from posttrain.config import Config, dump_config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
-from posttrain.generation.weight_sync import WeightSyncConfig, sync_policy_to_engine
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model
@@ -62,17 +61,45 @@ class GRPOLoopConfig(Config):
     seed: int = 0
 
 
+class WeightSyncConfig(Config):
+    """How trainer weights reach the engine, and how each sync is checked."""
+
+    max_abs_logprob_diff: float = Field(1e-3, gt=0, description="probe check: fail the sync above this")
+
+
+def sync_policy_to_engine(policy: Policy, engine: GenerationEngine, version: int, probe, cfg: WeightSyncConfig):
+    """TEMPORARY in-process refit (replaced by generation/weight_sync.py): copy, then probe-check."""
+    t0 = time.perf_counter()
+    engine.load_weights(policy.full_state_dict(), version)
+    lengths = torch.tensor([len(p) for p in probe])
+    ids = torch.zeros(len(probe), int(lengths.max()), dtype=torch.long)
+    for i, p in enumerate(probe):
+        ids[i, : len(p)] = torch.tensor(p)
+    from posttrain.data.batch import make_batch
+
+    trainer = policy.get_logprobs(make_batch(input_ids=ids, input_lengths=lengths))
+    ours = engine.compute_logprobs(probe, temperature=policy.cfg.logprob_temperature)
+    diff = (trainer - ours).abs()
+    if float(diff.max()) > cfg.max_abs_logprob_diff:
+        raise RuntimeError(f"weight sync check failed: max |logprob diff| {float(diff.max()):.3g}")
+    return {"seconds": time.perf_counter() - t0, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
+
+
 class GRPOConfig(Config):
     """A GRPO run."""
 
-    policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128))
+    policy: PolicyConfig = Field(
+        default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
     grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
-    colocated: bool = Field(True, description="trainer offloaded while the engine generates, engine asleep while training")
+    colocated: bool = Field(
+        True, description="trainer offloaded while the engine generates, engine asleep while training"
+    )
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output_dir: str = "runs/grpo"
@@ -125,8 +152,10 @@ def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
     run = setup(cfg, policy)
     ckpt = CheckpointManager(cfg.checkpointing, out)
     resume_from(run, ckpt)
-    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project)
-    progress = StepProgress(cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar)
+    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project, append=run.step > 0)
+    progress = StepProgress(
+        cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar
+    )
     last: dict[str, float] = {}
     try:
         if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
@@ -180,7 +209,10 @@ def grpo_step(run: Run) -> dict[str, float]:
 
 def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     """Policy, tokenizer, task, engine (with the policy's weights) and the probe batch."""
-    if cfg.policy.train_global_batch_size > cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt:
+    if (
+        cfg.policy.train_global_batch_size
+        > cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    ):
         raise ValueError(
             f"policy.train_global_batch_size={cfg.policy.train_global_batch_size} exceeds the samples per step "
             f"({cfg.grpo.num_prompts_per_step} x {cfg.grpo.num_generations_per_prompt}); lower it"
@@ -209,13 +241,17 @@ def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[Generati
     return run.engine.generate(prompts, params)
 
 
-def score(run: Run, items: list[PromptItem], results: list[GenerationResult]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def score(
+    run: Run, items: list[PromptItem], results: list[GenerationResult]
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Rewards and failure flags (failed rewards are marked, never zeroed), with overlong shaping."""
     g = run.cfg.grpo.num_generations_per_prompt
     flat = [it for it in items for _ in range(g)]
     texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
-    rewards = torch.tensor([float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32)
+    rewards = torch.tensor(
+        [float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32
+    )
     failed = torch.tensor(res.failed, dtype=torch.bool)
     loop = run.cfg.grpo
     if loop.overlong_reward_shaping:
@@ -266,50 +302,73 @@ def generate(run: Run) -> Rollouts:
         "groups_dropped_zero_variance": float(dropped),
         "groups_trained": float(len(kept_items)),
         "completion_length": sum(lengths) / max(len(lengths), 1),
-        "truncated_fraction": sum(r.finish_reason == "length" for r in kept_results) / max(len(kept_results), 1),
+        "truncated_fraction": sum(r.finish_reason == "length" for r in kept_results)
+        / max(len(kept_results), 1),
         "timing/reward_s": t_reward,
     }
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 
 def build_batch(run: Run, ro: Rollouts):
-    """The training batch (padded with masked rows to whole global batches) and advantage metrics."""
-    loop = run.cfg.grpo
-    g = loop.num_generations_per_prompt
-    n = len(ro.results)
-    gbs = run.cfg.policy.train_global_batch_size
-    total = max(gbs, -(-n // gbs) * gbs) if n else gbs
+    """The step's training batch (padded with masked rows to whole global batches) and its metrics."""
+    g = run.cfg.grpo.num_generations_per_prompt
     group_ids = torch.tensor([it.prompt_id for it in ro.items for _ in range(g)], dtype=torch.long)
-    adv = group_advantages(
+    if not ro.results:  # nothing to train on: one fully masked row keeps the step well-formed
+        first = run.task.train.items[0]
+        eos = run.engine.eos_token_id or 0
+        ro = Rollouts(
+            [first],
+            [GenerationResult(-1, 0, list(first.prompt_token_ids), [eos], [0.0], "stop")],
+            torch.zeros(1),
+            torch.ones(1, dtype=torch.bool),
+        )
+        group_ids = torch.zeros(1, dtype=torch.long)
+    return samples_to_batch(
+        ro.results,
         ro.rewards,
+        ro.failed,
         group_ids,
-        ~ro.failed,
+        run.cfg.grpo,
+        run.tokenizer.pad_token_id or 0,
+        run.cfg.policy.train_global_batch_size,
+    )
+
+
+def samples_to_batch(
+    results: list[GenerationResult],
+    rewards: torch.Tensor,
+    failed: torch.Tensor,
+    group_ids: torch.Tensor,
+    loop: GRPOLoopConfig,
+    pad_id: int,
+    multiple_of: int = 1,
+):
+    """Advantages per prompt group, then a batch of prompt+completion rows (failed or filtered samples
+    masked out), right-padded with masked rows to a multiple of `multiple_of` rows."""
+    adv = group_advantages(
+        rewards,
+        group_ids,
+        ~failed,
         leave_one_out=loop.use_leave_one_out_baseline,
         std_scaling="group" if loop.normalize_rewards else "none",
-    ) if n else torch.zeros(0)
-    mask = (~ro.failed).float() if n else torch.zeros(0)
-    if loop.overlong_filtering and n:
-        mask = mask * torch.tensor([r.finish_reason != "length" for r in ro.results], dtype=torch.float32)
-    results = list(ro.results)
-    if not results:  # nothing to train on: one fully masked row keeps the step well-formed
-        first = run.task.train.items[0]
-        results = [GenerationResult(-1, 0, list(first.prompt_token_ids), [run.engine.eos_token_id or 0], [0.0], "stop")]
-        adv, mask = torch.zeros(1), torch.zeros(1)
-    pad = total - len(results)
-    results = results + [results[i % len(results)] for i in range(pad)]
+    )
+    mask = (~failed).float()
+    if loop.overlong_filtering:
+        mask = mask * torch.tensor([r.finish_reason != "length" for r in results], dtype=torch.float32)
+    pad = -len(results) % multiple_of
+    results = list(results) + [results[i % len(results)] for i in range(pad)]
     adv = torch.cat([adv, torch.zeros(pad)])
     mask = torch.cat([mask, torch.zeros(pad)])
     batch = batch_from_sequences(
-        [r.prompt_token_ids for r in results], [r.token_ids for r in results], run.tokenizer.pad_token_id or 0, mask.tolist()
+        [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist()
     )
-    t = batch["input_ids"].shape[1]
-    gen_lp = torch.zeros(len(results), t)
+    gen_lp = torch.zeros(batch["input_ids"].shape)
     for i, r in enumerate(results):
         p = len(r.prompt_token_ids)
         gen_lp[i, p : p + len(r.logprobs)] = torch.tensor(r.logprobs)
     batch["generation_logprobs"] = gen_lp
     batch["advantages"] = adv[:, None] * batch["token_mask"]
-    metrics = {"advantage_abs_mean": float(adv.abs().sum() / mask.sum().clamp(min=1))}
+    metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics
 
 
@@ -326,6 +385,7 @@ def add_logprobs(run: Run, batch) -> None:
 def sync_weights(run: Run) -> dict[str, float]:
     """Trainer weights -> engine, checked on the probe batch; colocated: trainer offloaded after."""
     run.policy.prepare_for_lp_inference()
+    run.engine.wake()
     version = run.policy.get_states()[0]["trainer_version"]
     metrics = sync_policy_to_engine(run.policy, run.engine, version, run.probe, run.cfg.weight_sync)
     return {f"weight_sync/{k}": v for k, v in metrics.items()}
@@ -360,14 +420,17 @@ def validate(run: Run) -> dict[str, float]:
     colocated_generation_start(run)
     prompts = [list(it.prompt_token_ids) for it in items for _ in range(k)]
     params = [
-        run.cfg.sampling.model_copy(update={"greedy": k == 1, "seed": loop.seed * 7919 + i}) for i in range(len(prompts))
+        run.cfg.sampling.model_copy(update={"greedy": k == 1, "seed": loop.seed * 7919 + i})
+        for i in range(len(prompts))
     ]
     results = run.engine.generate(prompts, params)
     colocated_generation_end(run)
     texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
     flat = [it for it in items for _ in range(k)]
     res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
-    correct = torch.tensor([(r if not f else 0.0) >= 1.0 for r, f in zip(res.rewards, res.failed)]).view(len(items), k)
+    correct = torch.tensor([(r if not f else 0.0) >= 1.0 for r, f in zip(res.rewards, res.failed)]).view(
+        len(items), k
+    )
     out = {"val/accuracy": float(correct.float().mean()), "val/reward_failed": float(res.num_failed)}
     if k > 1:
         out[f"val/pass@{k}"] = float(correct.any(dim=1).float().mean())

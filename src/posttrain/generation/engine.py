@@ -449,9 +449,19 @@ class GenerationEngine:
                 "(after generate() returns, or via load_weights_async() from asyncio code)"
             )
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """Every state-dict name of the engine model (tied aliases included) -> its tensor."""
-        return {k.removeprefix("_orig_mod."): v for k, v in self.model.state_dict(keep_vars=True).items()}
+    def begin_load(self) -> WeightLoad:
+        """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
+        to generate until `WeightLoad.finish(version)` has checked that every tensor arrived."""
+        self._check_idle("load_weights")
+        if self._sleeping:
+            raise EngineStateError("load_weights() while asleep; call wake() first")
+        if self._shared:  # stop aliasing the trainer's tensors before writing into them
+            state = self.model.state_dict(keep_vars=True).values()
+            for t in {id(t): t for t in state}.values():
+                t.data = torch.empty_like(t.data)
+            self._shared = False
+        self._weights_valid = False
+        return WeightLoad(self)
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.
@@ -459,74 +469,22 @@ class GenerationEngine:
         Names, shapes and completeness are checked; until a complete load succeeds the engine refuses
         to generate (so half-loaded weights cannot be used). Dtype and device are converted."""
         with self._lock, torch.no_grad():
-            self._check_idle("load_weights")
-            if self._sleeping:
-                raise EngineStateError("load_weights() while asleep; call wake() first")
-            targets = self._weight_targets()
-            if self._shared:  # stop aliasing the trainer's tensors before writing into them
-                for p in {id(t): t for t in targets.values()}.values():
-                    p.data = torch.empty_like(p.data, device=self.device, dtype=p.dtype)
-                self._shared = False
-            self._weights_valid = False
-            seen, nbytes = set(), 0
+            load = self.begin_load()
             for name, tensor in named_tensors(weights):
-                target = self._target(targets, name, tensor)
-                target.data.copy_(tensor)
-                seen.add(id(target))
-                nbytes += tensor.numel() * tensor.element_size()
-            self._finish_load(targets, seen, version)
-            return {"bytes": float(nbytes), "tensors": float(len(seen))}
+                load.add(name, tensor)
+            return load.finish(version)
 
     def share_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Point the engine's parameters at the given tensors (no copy): same shape, dtype and device
         required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
         with self._lock, torch.no_grad():
-            self._check_idle("share_weights")
-            if self._sleeping:
-                raise EngineStateError("share_weights() while asleep; call wake() first")
-            targets = self._weight_targets()
-            self._weights_valid = False
-            seen = set()
+            load = self.begin_load()
             for name, tensor in named_tensors(weights):
-                target = self._target(targets, name, tensor)
-                if tensor.dtype != target.dtype or tensor.device != target.device:
-                    raise ValueError(
-                        f"cannot share '{name}': engine wants {target.dtype} on {target.device}, got "
-                        f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
-                    )
-                target.data = tensor.detach()
-                seen.add(id(target))
+                load.add(name, tensor, share=True)
             self._shared = True
-            self._finish_load(targets, seen, version)
-            return {"bytes": 0.0, "tensors": float(len(seen))}
+            return load.finish(version)
 
-    @staticmethod
-    def _target(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
-        key = name.removeprefix("_orig_mod.")
-        target = targets.get(key)
-        if target is None:
-            raise ValueError(
-                f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
-                "same model architecture (trainer and engine configs differ?)"
-            )
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"weight '{name}' has shape {tuple(tensor.shape)} but the engine expects "
-                f"{tuple(target.shape)}; trainer and engine models differ"
-            )
-        if getattr(tensor, "_spec", None) is not None or type(tensor).__name__ == "DTensor":
-            raise ValueError(
-                f"weight '{name}' is a sharded DTensor; gather it first (weight_sync.iter_full_weights)"
-            )
-        return target
-
-    def _finish_load(self, targets: dict[str, torch.Tensor], seen: set[int], version: int) -> None:
-        missing = [n for n, t in targets.items() if id(t) not in seen]
-        if missing:
-            raise ValueError(
-                f"incomplete weights: {len(missing)} tensors were not sent (e.g. {missing[:3]}); the "
-                "engine refuses to generate until load_weights() gets the full state dict"
-            )
+    def _mark_loaded(self, version: int) -> None:
         self._weights_valid = True
         self.weight_version = int(version)
 
@@ -583,3 +541,60 @@ class GenerationEngine:
                     params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
             self._released = {}
             self._sleeping = False
+
+
+class WeightLoad:
+    """One weight load into an engine: every tensor checked by name and shape, completeness checked at
+    the end (tied aliases count once). Made by `GenerationEngine.begin_load()`."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        state = engine.model.state_dict(keep_vars=True)
+        self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+        self.seen: set[int] = set()
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor, share: bool = False) -> None:
+        """Copy (or, with `share`, alias) one tensor into the engine's tensor of that name."""
+        target = self._target(name, tensor)
+        with torch.no_grad():
+            if share:
+                if tensor.dtype != target.dtype or tensor.device != target.device:
+                    raise ValueError(
+                        f"cannot share '{name}': the engine wants {target.dtype} on {target.device}, got "
+                        f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
+                    )
+                target.data = tensor.detach()
+            else:
+                target.data.copy_(tensor)
+        self.seen.add(id(target))
+        self.nbytes += tensor.numel() * tensor.element_size()
+
+    def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        target = self.targets.get(name.removeprefix("_orig_mod."))
+        if target is None:
+            raise ValueError(
+                f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
+                "same model architecture (trainer and engine model configs differ?)"
+            )
+        if type(tensor).__name__ == "DTensor":
+            raise ValueError(
+                f"weight '{name}' is a sharded DTensor; gather it first (weight_sync.iter_full_weights)"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"weight '{name}' has shape {tuple(tensor.shape)} but the engine expects "
+                f"{tuple(target.shape)}; trainer and engine models differ"
+            )
+        return target
+
+    def finish(self, version: int) -> dict[str, float]:
+        """Check that every tensor arrived, then let the engine generate with `version`."""
+        missing = [n for n, t in self.targets.items() if id(t) not in self.seen]
+        if missing:
+            raise ValueError(
+                f"incomplete weights: {len(missing)} tensors were not sent (e.g. {missing[:3]}); the "
+                "engine refuses to generate until a load delivers the full state dict"
+            )
+        self.engine._mark_loaded(version)
+        return {"bytes": float(self.nbytes), "tensors": float(len(self.seen))}

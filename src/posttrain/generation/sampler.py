@@ -29,6 +29,7 @@ _GAMMA = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _NUCLEUS_START = 64  # first candidate-set size for top-p without top-k
+_BLOCK = 256  # block width of the two-level inverse-CDF search
 
 
 def _signed(x: int) -> int:
@@ -73,6 +74,7 @@ class RowParams:
     """Sampling parameters of the rows of a batch, as tensors on the engine's device."""
 
     temperature: torch.Tensor  # [n, 1] float32
+    unit_temperature: bool  # every row at temperature 1 (no division needed)
     top_k: torch.Tensor  # [n] long, V where top-k is off
     top_p: torch.Tensor  # [n] float32
     greedy: torch.Tensor  # [n] bool
@@ -95,6 +97,7 @@ class RowParams:
             cand = max(cand, _NUCLEUS_START)
         return RowParams(
             temperature=torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=device),
+            unit_temperature=all(p.temperature == 1.0 for p in params),
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -111,15 +114,31 @@ class RowParams:
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index drawn from unnormalized `weights` [n, m] with uniforms `u` [n]; never a zero-weight index.
 
-    The first index whose cumulative weight exceeds `u * total` (kept strictly below the total, so
-    rounding cannot step past the last positive weight).
+    The first index whose cumulative weight exceeds `u * total`, with the target kept strictly below
+    the total so rounding cannot step past the last positive weight. Wide rows go in two levels
+    (block sums, then one block), which avoids a sequential cumsum over the whole vocabulary.
     """
+    n, m = weights.shape
+    if m <= 2 * _BLOCK:
+        return _search(weights, u * weights.sum(-1, dtype=torch.float64))
+    pad = (-m) % _BLOCK
+    blocks = torch.nn.functional.pad(weights, (0, pad)).view(n, -1, _BLOCK)
+    block_sums = blocks.sum(-1)
+    b = _search(block_sums, u * block_sums.sum(-1, dtype=torch.float64))
+    rows = torch.arange(n, device=weights.device)
+    before = block_sums.cumsum(-1)[rows, b] - block_sums[rows, b]
+    inner = blocks[rows, b]
+    x = u * block_sums.sum(-1, dtype=torch.float64) - before.double()
+    j = _search(inner, x.clamp_(min=0.0))
+    return (b * _BLOCK + j).clamp_(max=m - 1)
+
+
+def _search(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First index whose cumulative weight exceeds `target` [n] (float64), kept below the row total."""
     cdf = weights.cumsum(-1)
     total = cdf[:, -1]
-    x = (u * total.double()).to(cdf.dtype)
-    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
-    return idx.clamp_(max=weights.shape[-1] - 1)
+    x = torch.minimum(target.to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
 
 
 def _filtered_draw(
@@ -151,8 +170,12 @@ def sample(
     logits: torch.Tensor, rows: RowParams, counters: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [n] and their logprobs [n] under `softmax(logits / temperature)`."""
-    scaled = logits.float() / rows.temperature
-    logz = torch.logsumexp(scaled, dim=-1)
+    scaled = logits.float()
+    if not rows.unit_temperature:
+        scaled = scaled * (1.0 / rows.temperature)
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()  # unnormalized probabilities, one exp pass
+    logz = top[:, 0] + weights.sum(-1).log()
     if rows.all_greedy:
         tokens = logits.argmax(-1)
     else:
@@ -160,7 +183,7 @@ def sample(
         if rows.all_filtered and rows.any_filtered:
             tokens = _filtered_draw(scaled, logz, rows, u)
         else:
-            tokens = _inverse_cdf((scaled - logz[:, None]).exp(), u)
+            tokens = _inverse_cdf(weights, u)
             if rows.any_filtered:
                 tokens = torch.where(rows.filtered, _filtered_draw(scaled, logz, rows, u), tokens)
         if rows.any_greedy:

@@ -306,7 +306,8 @@ def _detach(snap: CommsSnapshot) -> None:
             h.obj[h.key] = TornDownGroup(name)
         elif h.kind == "registry":
             h.obj._pg_registry.pop(h.key, None)
-        # 'name' holders keep the old name: resolving it fails loudly until rebuild renames it
+        elif h.kind == "name":  # a name no group can take: resolving it fails until rebuild
+            h.obj._dim_group_names[h.key] = f"torn-down:{name}"
     snap.detached = True
 
 
@@ -362,7 +363,7 @@ def _world_plan(snap: CommsSnapshot) -> tuple[list[GroupSpec], list[int]]:
         seen[key] = seen.get(key, -1) + 1
         own.append((*key, seen[key]))  # the n-th group with this signature on this rank
     everyone = [own]
-    if dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, own)
     index: dict[tuple, int] = {}
@@ -399,7 +400,7 @@ def rebuild(snap: CommsSnapshot) -> tuple[DeviceMesh | None, dict[str, Any]]:
         except Exception as e:
             raise CommsError(f"could not agree on the groups to create over the default group: {e}") from e
         snap.created = [_PENDING] * len(snap.plan)
-    rank, created = dist.get_rank(), 0
+    rank, created = (dist.get_rank() if dist.is_initialized() else 0), 0
     for i, spec in enumerate(snap.plan):
         if snap.created[i] is not _PENDING:
             continue

@@ -1,0 +1,367 @@
+"""The generation engine: exactness against transformers and the trainer, sampling statistics,
+reproducible seeds, stop rules, bad input, continuous batching, the async API and sleep/wake.
+
+All on tiny fp32 models on CPU (a few seconds in total)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import policy_cfg
+from scipy import stats
+
+from posttrain.generation.engine import EngineStateError, GenerationEngine
+from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.generation.sampler import RowParams, mix64, mix64_tensor, request_key, sample
+from posttrain.models.hf import build_tiny_model
+from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.policy.policy import Policy
+
+TOK = build_char_tokenizer()
+VOCAB = len(TOK)
+
+
+def make_engine(family: str = "llama", seed: int = 0, **cfg) -> GenerationEngine:
+    return GenerationEngine(build_tiny_model(VOCAB, seed=seed, family=family), TOK, GenerationConfig(**cfg))
+
+
+def prompts_of(lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
+    """transformers generate(do_sample=False) on a left-padded batch, cut after the first eos."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    rows = []
+    for row in out[:, width:].tolist():
+        rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_equals_transformers_generate(family):
+    prompts = prompts_of([5, 1, 12, 3, 9, 7, 2, 11])
+    reference = build_tiny_model(VOCAB, seed=3, family=family).eval()
+    engine = make_engine(family, seed=3, max_num_seqs=3)  # fewer slots than prompts: continuous batching
+    results = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=20))
+    expected = hf_greedy(reference, prompts, 20, eos=TOK.eos_token_id)
+    assert [r.token_ids for r in results] == expected
+    assert [r.prompt_index for r in results] == list(range(len(prompts)))
+    for r, e in zip(results, expected):
+        assert r.finish_reason == ("stop" if e[-1] == TOK.eos_token_id else "length")
+
+
+def test_tied_embeddings_greedy_equals_transformers():
+    prompts = prompts_of([4, 10, 6])
+    reference = build_tiny_model(VOCAB, seed=5, tie_word_embeddings=True).eval()
+    engine = GenerationEngine(build_tiny_model(VOCAB, seed=5, tie_word_embeddings=True), TOK)
+    results = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12))
+    assert [r.token_ids for r in results] == hf_greedy(reference, prompts, 12, eos=TOK.eos_token_id)
+
+
+def test_logprobs_equal_trainer_get_logprobs():
+    policy = Policy(policy_cfg(logprob_temperature=0.7))
+    engine = make_engine(seed=99)  # other weights: the sync below must replace all of them
+    engine.load_weights(policy.full_state_dict(), version=1)
+    prompts = prompts_of([3, 8, 5, 12, 1, 6, 9, 4])
+    results = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=10, seed=0))
+    sequences = [r.sequence for r in results]
+    from posttrain.data.batch import make_batch
+
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    lengths = torch.tensor([len(s) for s in sequences])
+    trainer = policy.get_logprobs(make_batch(input_ids=ids, input_lengths=lengths))
+    worst = 0.0
+    for i, r in enumerate(results):
+        p = len(r.prompt_token_ids)
+        got = torch.tensor(r.logprobs)
+        want = trainer[i, p : p + len(r.token_ids)]
+        worst = max(worst, float((got - want).abs().max()))
+    assert worst < 1e-5, worst
+    # compute_logprobs (the probe path) follows the trainer's convention on every position
+    torch.testing.assert_close(engine.compute_logprobs(sequences, 0.7), trainer, atol=1e-5, rtol=0)
+    assert all(r.weight_version == 1 for r in results)
+
+
+# ---------------------------------------------------------------------------- sampling statistics
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value, merging cells with expected count < 5 into one."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < 5:  # fold a tiny rest cell into the smallest big one
+        obs, exp = obs[:-1].clone(), exp[:-1].clone()
+        obs[exp.argmin()] += counts[~big].sum()
+        exp[exp.argmin()] += expected[~big].sum()
+    return float(stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_first_token_frequencies_match_softmax(temperature):
+    model = build_tiny_model(VOCAB, seed=4)
+    prompt = prompts_of([6])[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs = torch.softmax(logits / temperature, -1)
+    engine = GenerationEngine(model, TOK, GenerationConfig(max_num_seqs=256))
+    n = 4000
+    params = SamplingParams(temperature=temperature, max_new_tokens=1, seed=temperature.as_integer_ratio()[0])
+    results = engine.generate([prompt] * n, params)
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=VOCAB)
+    assert _chi_square_pvalue(counts, probs) > 1e-3
+    # the reported logprob is log softmax(logits / T) of the drawn token
+    r = results[0]
+    assert abs(r.logprobs[0] - float(probs[r.token_ids[0]].log())) < 1e-5
+
+
+def _rows(n: int, vocab: int, **params) -> RowParams:
+    return RowParams.build([SamplingParams(**params)] * n, [request_key(7, i) for i in range(n)], vocab, "cpu")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"temperature": 0.8}, {"top_k": 5}, {"top_p": 0.7}, {"top_k": 6, "top_p": 0.8, "temperature": 1.3}],
+)
+def test_sampler_distribution_on_wide_vocabulary(params):
+    """6000 draws over a 1500-token vocabulary (two-level search): chi-square against the (top-k /
+    top-p restricted, renormalized) softmax; no excluded token is ever drawn."""
+    vocab, n = 1500, 6000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=g) * 3
+    rows = _rows(n, vocab, **params)
+    tokens, logprobs = sample(logits.expand(n, vocab).clone(), rows, torch.arange(n) % 17)
+    probs = torch.softmax(logits / params.get("temperature", 1.0), -1)
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    order = probs.argsort(descending=True)
+    if params.get("top_k"):
+        allowed[order[params["top_k"] :]] = False
+    restricted = probs * allowed
+    restricted /= restricted.sum()
+    if params.get("top_p"):
+        sorted_p = restricted[order]
+        keep = (sorted_p.cumsum(0) - sorted_p) < params["top_p"]
+        allowed[order[~keep]] = False
+        restricted = probs * allowed
+        restricted /= restricted.sum()
+    assert bool(allowed[tokens].all()), "an excluded token was drawn"
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert _chi_square_pvalue(counts[allowed], restricted[allowed]) > 1e-3
+    torch.testing.assert_close(logprobs, probs[tokens].log(), atol=1e-5, rtol=0)
+
+
+def test_counter_based_rng_matches_reference_and_is_uniform():
+    values = [0, 1, 2**63 - 1, -(2**63), 123456789123, -987654321]
+    got = mix64_tensor(torch.tensor(values, dtype=torch.long)).tolist()
+    want = [mix64(v & (2**64 - 1)) for v in values]
+    assert [g & (2**64 - 1) for g in got] == want
+    from posttrain.generation.sampler import uniforms
+
+    u = uniforms(torch.full((20000,), request_key(3, 0)), torch.arange(20000))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
+
+
+# ---------------------------------------------------------------------------- seeds, top-k/top-p
+
+
+def test_seeds_make_draws_reproducible_whatever_the_batch():
+    prompts = prompts_of([4, 9, 2, 7, 5])
+    params = SamplingParams(temperature=1.2, max_new_tokens=12, seed=11, stop_at_eos=False)
+    a = make_engine(max_num_seqs=5).generate(prompts, params)
+    b = make_engine(max_num_seqs=2).generate(prompts, params)  # other slots, other batch-mates
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.logprobs == pytest.approx(rb.logprobs, abs=1e-5)
+    c = make_engine(max_num_seqs=5).generate(prompts, params.model_copy(update={"seed": 12}))
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+    # a request alone, submitted with its stream index, draws exactly what it drew in the batch
+    alone = make_engine()
+    rid = alone.submit(prompts[3], params, stream_index=3)
+    (res,) = list(alone.iter_results())
+    assert res.request_id == rid and res.token_ids == a[3].token_ids
+
+
+def _teacher_forced_logits(model, result) -> torch.Tensor:
+    seq = torch.tensor([result.sequence])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0]
+    p = len(result.prompt_token_ids)
+    return logits[p - 1 : p - 1 + len(result.token_ids)]
+
+
+@pytest.mark.parametrize("params", [{"top_k": 3}, {"top_p": 0.5}, {"top_k": 4, "top_p": 0.6}])
+def test_top_k_top_p_never_emit_excluded_tokens(params):
+    model = build_tiny_model(VOCAB, seed=6)
+    engine = GenerationEngine(build_tiny_model(VOCAB, seed=6), TOK)
+    sp = SamplingParams(temperature=2.0, max_new_tokens=16, seed=0, stop_at_eos=False, **params)
+    results = engine.generate(prompts_of([3, 6, 2, 8, 5, 4, 7, 1] * 2), sp)
+    checked = 0
+    for r in results:
+        logits = _teacher_forced_logits(model, r) / sp.temperature
+        for row, tok in zip(logits, r.token_ids):
+            order = row.argsort(descending=True)
+            rank = int((order == tok).nonzero())
+            if sp.top_k:
+                assert rank < sp.top_k
+            if sp.top_p < 1:
+                top = order[: sp.top_k] if sp.top_k else order
+                probs = torch.softmax(row[top], -1)
+                before = float(probs[:rank].sum())
+                assert before < sp.top_p + 1e-5
+            checked += 1
+    assert checked == 16 * len(results)
+
+
+# ---------------------------------------------------------------------------- stop rules
+
+
+def test_stop_token_stop_string_length_and_context_limit():
+    engine = make_engine(seed=2)
+    prompt = prompts_of([5])[0]
+    free = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_at_eos=False))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+
+    stop_tok = free.token_ids[4]
+    cut = free.token_ids.index(stop_tok) + 1
+    r = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=[stop_tok]))[0]
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (free.token_ids[:cut], "stop", stop_tok)
+
+    text = TOK.decode(free.token_ids)
+    target = text[3:5]
+    n = next(i for i in range(1, 13) if target in TOK.decode(free.token_ids[:i]))
+    r = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_strings=[target]))[0]
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (free.token_ids[:n], "stop", target)
+
+    short = make_engine(seed=2, max_model_len=9)
+    r = short.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_at_eos=False))[0]
+    assert (r.token_ids, r.finish_reason) == (free.token_ids[:4], "length")
+
+
+def test_bad_input_gives_clear_errors():
+    engine = make_engine(max_model_len=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]])
+    with pytest.raises(ValueError, match="does not fit the context of 16"):
+        engine.generate([[5] * 16])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="unknown stop token id 5000"):
+        engine.generate([[5, 6]], SamplingParams(stop_token_ids=[5000]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, VOCAB]])
+    with pytest.raises(ValueError, match="greedy=True"):
+        SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate([[5], [6]], [SamplingParams()])
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        GenerationEngine(build_tiny_model(VOCAB)).generate([[5]], SamplingParams(stop_strings=["x"]))
+    assert not engine.has_unfinished()  # nothing half-queued by the failed calls
+
+
+# ---------------------------------------------------------------------------- streaming APIs
+
+
+def test_step_returns_results_as_they_finish():
+    engine = make_engine(max_num_seqs=2)
+    lengths = {engine.submit(p, SamplingParams(max_new_tokens=m, seed=0, stop_at_eos=False)): m
+               for p, m in zip(prompts_of([3, 5, 4, 6]), [9, 2, 5, 1])}
+    order = [r.request_id for r in engine.iter_results()]
+    assert sorted(order) == sorted(lengths)
+    assert order.index(1) < order.index(0)  # the 2-token request finished before the 9-token one
+    assert engine.num_running == 0 and not engine.has_unfinished()
+
+
+def test_async_stream_and_agenerate():
+    prompts = prompts_of([4, 6, 3, 5])
+    params = [SamplingParams(max_new_tokens=m, seed=5, stop_at_eos=False) for m in (12, 2, 7, 4)]
+    expected = make_engine().generate(prompts, params)
+
+    async def main():
+        engine = make_engine(max_num_seqs=4)
+        streamed = [r async for r in engine.astream(prompts, params)]
+        single = await asyncio.gather(
+            engine.agenerate(prompts[0], params[0], stream_index=0),
+            engine.agenerate(prompts[2], params[2], stream_index=2),
+        )
+        return streamed, single
+
+    streamed, single = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [r.prompt_index for r in streamed] == [1, 3, 2, 0]  # completion order
+    by_index = {r.prompt_index: r for r in streamed}
+    assert [by_index[i].token_ids for i in range(4)] == [r.token_ids for r in expected]
+    assert [s.token_ids for s in single] == [expected[0].token_ids, expected[2].token_ids]
+
+
+# ---------------------------------------------------------------------------- sleep / wake / weights
+
+
+def test_sleep_wake_and_dropped_weights():
+    engine = make_engine(seed=8)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    prompts = prompts_of([4, 7])
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    before = [r.token_ids for r in engine.generate(prompts, params)]
+    assert engine.cache.nbytes() > 0
+    engine.sleep()
+    assert engine.is_sleeping and engine.cache.nbytes() == 0
+    with pytest.raises(EngineStateError, match="call wake"):
+        engine.generate(prompts, params)
+    engine.wake()
+    assert [r.token_ids for r in engine.generate(prompts, params)] == before
+
+    released = engine.sleep(keep_weights=False)["bytes_released"]
+    assert released >= sum(p.numel() * 4 for p in engine.model.parameters())
+    engine.wake()
+    with pytest.raises(EngineStateError, match="no complete weights"):
+        engine.generate(prompts, params)
+    engine.load_weights(state, version=3)
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == before and results[0].weight_version == 3
+
+
+def test_weight_loading_is_checked():
+    engine = make_engine()
+    state = make_engine(seed=1).model.state_dict()
+    partial = dict(list(state.items())[:-2])
+    with pytest.raises(ValueError, match="incomplete weights"):
+        engine.load_weights(partial, version=1)
+    with pytest.raises(EngineStateError, match="no complete weights"):
+        engine.generate([[4, 5]])
+    with pytest.raises(ValueError, match="unexpected weight 'foo'"):
+        engine.load_weights({"foo": torch.zeros(1)}, version=1)
+    bad = dict(state)
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="has shape"):
+        engine.load_weights(bad, version=1)
+    engine.load_weights(state, version=2)
+    assert engine.weight_version == 2 and engine.generate([[4, 5]])[0].weight_version == 2
+    engine.submit([4, 5], SamplingParams(max_new_tokens=5))
+    engine.step()
+    with pytest.raises(EngineStateError, match="sequences are decoding"):
+        engine.load_weights(state, version=3)
