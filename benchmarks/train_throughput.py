@@ -23,7 +23,13 @@ from posttrain.models.hf import build_tiny_model  # noqa: E402
 from posttrain.policy.config import PolicyConfig  # noqa: E402
 from posttrain.policy.policy import Policy  # noqa: E402
 
-SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4}
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 
 
 def make_data(b: int, t: int, vocab: int):

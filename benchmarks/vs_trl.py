@@ -117,7 +117,11 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int) -> dict:
             },
             "generation": {"max_num_seqs": n},
             "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature},
-            "loss": {"ratio_clip_min": s.clip_eps, "ratio_clip_max": s.clip_eps, "reference_policy_kl_penalty": 0.0},
+            "loss": {
+                "ratio_clip_min": s.clip_eps,
+                "ratio_clip_max": s.clip_eps,
+                "reference_policy_kl_penalty": 0.0,
+            },
             "grpo": {
                 "num_prompts_per_step": s.prompts_per_step,
                 "num_generations_per_prompt": s.generations,
@@ -253,8 +257,13 @@ def heldout_accuracy(model_dir: Path, max_new_tokens: int) -> float:
     items = task.eval.items
     width = max(len(it.prompt_token_ids) for it in items)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(it.prompt_token_ids)) + list(it.prompt_token_ids) for it in items])
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(it.prompt_token_ids) for it in items])[:, None]).long()
+    ids = torch.tensor(
+        [[pad] * (width - len(it.prompt_token_ids)) + list(it.prompt_token_ids) for it in items]
+    )
+    mask = (
+        torch.arange(width)[None, :]
+        >= torch.tensor([width - len(it.prompt_token_ids) for it in items])[:, None]
+    ).long()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,

@@ -40,7 +40,9 @@ def test_failed_samples_are_excluded_not_zeroed():
     mean = (1 + 1 + 0) / 3
     torch.testing.assert_close(adv, torch.tensor([1 - mean, 0.0, 1 - mean, -mean]))
     valid = torch.tensor([True, True, False, True])
-    adv2 = group_advantages(torch.tensor([1.0, 0.0, 5.0, 0.0]), torch.zeros(4, dtype=torch.long), valid, std_scaling="none")
+    adv2 = group_advantages(
+        torch.tensor([1.0, 0.0, 5.0, 0.0]), torch.zeros(4, dtype=torch.long), valid, std_scaling="none"
+    )
     assert adv2[2] == 0 and adv2[0] == pytest.approx(1 - 1 / 3)
 
 

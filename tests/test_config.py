@@ -47,7 +47,9 @@ def test_task_union_keys_are_checked_against_the_chosen_task():
     from posttrain.algorithms.sft import SFTConfig
 
     assert load_config(SFTConfig, None, ["task.max_operand=3"]).task.max_operand == 3
-    with pytest.raises(ConfigError, match=r"unknown config key 'task.max_operandd'. Did you mean 'task.max_operand'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'task.max_operandd'. Did you mean 'task.max_operand'"
+    ):
         load_config(SFTConfig, None, ["task.max_operandd=3"])
     with pytest.raises(ConfigError, match="'arithmetic', 'math', 'custom'"):
         load_config(SFTConfig, None, ["task.name=arith"])

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 import torch
-from helpers import policy_cfg
 from scipy import stats
 
+from helpers import policy_cfg
 from posttrain.generation.engine import EngineStateError, GenerationEngine
 from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.sampler import RowParams, mix64, mix64_tensor, request_key, sample
@@ -21,6 +21,15 @@ from posttrain.policy.policy import Policy
 
 TOK = build_char_tokenizer()
 VOCAB = len(TOK)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def make_engine(family: str = "llama", seed: int = 0, **cfg) -> GenerationEngine:
@@ -139,7 +148,9 @@ def test_first_token_frequencies_match_softmax(temperature):
 
 
 def _rows(n: int, vocab: int, **params) -> RowParams:
-    return RowParams.build([SamplingParams(**params)] * n, [request_key(7, i) for i in range(n)], vocab, "cpu")
+    return RowParams.build(
+        [SamplingParams(**params)] * n, [request_key(7, i) for i in range(n)], vocab, "cpu"
+    )
 
 
 @pytest.mark.parametrize(
@@ -247,7 +258,9 @@ def test_stop_token_stop_string_length_and_context_limit():
 
     stop_tok = free.token_ids[4]
     cut = free.token_ids.index(stop_tok) + 1
-    r = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=[stop_tok]))[0]
+    r = engine.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop_token_ids=[stop_tok]))[
+        0
+    ]
     assert (r.token_ids, r.finish_reason, r.stop_reason) == (free.token_ids[:cut], "stop", stop_tok)
 
     text = TOK.decode(free.token_ids)
@@ -289,8 +302,10 @@ def test_bad_input_gives_clear_errors():
 
 def test_step_returns_results_as_they_finish():
     engine = make_engine(max_num_seqs=2)
-    lengths = {engine.submit(p, SamplingParams(max_new_tokens=m, seed=0, stop_at_eos=False)): m
-               for p, m in zip(prompts_of([3, 5, 4, 6]), [9, 2, 5, 1])}
+    lengths = {
+        engine.submit(p, SamplingParams(max_new_tokens=m, seed=0, stop_at_eos=False)): m
+        for p, m in zip(prompts_of([3, 5, 4, 6]), [9, 2, 5, 1])
+    }
     order = [r.request_id for r in engine.iter_results()]
     assert sorted(order) == sorted(lengths)
     assert order.index(1) < order.index(0)  # the 2-token request finished before the 9-token one

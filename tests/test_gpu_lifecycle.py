@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import random_batch
 from helpers import params_of, policy_cfg
-
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.policy.policy import Policy
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from conftest import random_batch
 from helpers import assert_params_close, params_of, policy_cfg
-
 from posttrain.algorithms.losses import ClippedPGLoss, NLLLoss
 from posttrain.policy.policy import Policy
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 import torch
+
 from conftest import random_batch
 from helpers import params_of, policy_cfg
-
 from posttrain.algorithms.losses import ClippedPGLoss, NLLLoss
 from posttrain.policy.lifecycle import Phase, PhaseError
 from posttrain.policy.policy import Policy

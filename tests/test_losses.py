@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import random_batch
 
+from conftest import random_batch
 from posttrain.algorithms.losses import ClippedPGLoss, DPOLoss, LossType, NLLLoss, kl_penalty
 from posttrain.data.normalization import finalize_metrics
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import random_batch
 from helpers import policy_cfg
-
 from posttrain.data.microbatch import block_causal_mask, make_microbatches
 from posttrain.models.hf import build_tiny_model
 from posttrain.models.logprobs import microbatch_logprobs

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+
 from conftest import random_batch
 from helpers import params_of, policy_cfg
-
 from posttrain.algorithms.losses import ClippedPGLoss, NLLLoss
 from posttrain.data.batch import make_batch
 from posttrain.models.hf import build_tiny_model

@@ -64,7 +64,9 @@ def _export(args: argparse.Namespace) -> int:
     from posttrain.checkpoint import export_hf
 
     out = export_hf(args.checkpoint, args.out, args.dtype)
-    console.print(f"[bold green]exported[/] {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)")
+    console.print(
+        f"[bold green]exported[/] {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)"
+    )
     return 0
 
 
@@ -80,7 +82,9 @@ def _generate(args: argparse.Namespace) -> int:
     )
     prompts = [tok(p, add_special_tokens=True)["input_ids"] for p in args.prompts]
     for prompt, res in zip(args.prompts, engine.generate(prompts, params)):
-        console.print(f"[bold]{prompt}[/]{tok.decode(res.token_ids, skip_special_tokens=True)}  [dim]({res.finish_reason})[/]")
+        console.print(
+            f"[bold]{prompt}[/]{tok.decode(res.token_ids, skip_special_tokens=True)}  [dim]({res.finish_reason})[/]"
+        )
     return 0
 
 

@@ -148,7 +148,12 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
         old = out.get(key)
-        same_kind = not (isinstance(value, dict) and "name" in value and isinstance(old, dict) and old.get("name") != value["name"])
+        same_kind = not (
+            isinstance(value, dict)
+            and "name" in value
+            and isinstance(old, dict)
+            and old.get("name") != value["name"]
+        )
         if isinstance(old, dict) and isinstance(value, dict) and same_kind:
             out[key] = deep_merge(old, value)
         else:

@@ -138,7 +138,9 @@ def plot_metrics(jsonl: str | Path, out_png: str | Path, keys: tuple[str, ...]) 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logging.getLogger("posttrain").warning("matplotlib is not installed; no plot written (pip install matplotlib)")
+        logging.getLogger("posttrain").warning(
+            "matplotlib is not installed; no plot written (pip install matplotlib)"
+        )
         return None
     records = read_metrics(jsonl)
     series = {k: [(r["step"], r[k]) for r in records if isinstance(r.get(k), (int, float))] for k in keys}

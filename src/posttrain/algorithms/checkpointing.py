@@ -96,7 +96,12 @@ class CheckpointManager:
         else:
             sign = 1.0 if self.cfg.higher_is_better else -1.0
             scored = [(p, self._score(p)) for p in found]
-            ranked = [p for p, s in sorted(scored, key=lambda ps: -sign * ps[1] if ps[1] is not None else float("inf"))]
+            ranked = [
+                p
+                for p, s in sorted(
+                    scored, key=lambda ps: -sign * ps[1] if ps[1] is not None else float("inf")
+                )
+            ]
         keep = set(ranked[:k]) | {newest}
         for p in found:
             if p not in keep:
@@ -112,9 +117,27 @@ def _finite(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def check_resume_config(saved: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> None:
-    """Refuse to resume when a loop setting that shapes the trajectory changed; say what differs."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def check_resume_config(
+    saved: dict[str, Any], current: dict[str, Any], may_change: tuple[str, ...] = ()
+) -> None:
+    """Refuse to resume when a setting that shapes the trajectory changed; list each differing key.
+
+    `may_change`: dotted keys that a resumed run may set differently (e.g. the number of steps)."""
+    a, b = _flatten(saved), _flatten(current)
+    diffs = [
+        f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and k not in may_change
+    ]
     if diffs:
         raise ValueError(
             "cannot resume: the run's config differs from the checkpoint's:\n  "

@@ -44,7 +44,12 @@ def _default_grpo() -> GRPOConfig:
             },
             "generation": {"max_num_seqs": 128},
             "sampling": {"max_new_tokens": 4, "temperature": 1.0},
-            "grpo": {"num_prompts_per_step": 16, "num_generations_per_prompt": 8, "max_num_steps": 40, "val_period": 10},
+            "grpo": {
+                "num_prompts_per_step": 16,
+                "num_generations_per_prompt": 8,
+                "max_num_steps": 40,
+                "val_period": 10,
+            },
             "checkpointing": {"enabled": False, "resume": "never"},
         }
     )
@@ -65,7 +70,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})
     policy = cfg.grpo.policy.model_copy(update={"model": model})
-    grpo = cfg.grpo.model_copy(update={"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task})
+    grpo = cfg.grpo.model_copy(
+        update={"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task}
+    )
     run_grpo(grpo)
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     before, after = records[0]["val/accuracy"], records[-1]["val/accuracy"]

@@ -67,7 +67,9 @@ class WeightSyncConfig(Config):
     max_abs_logprob_diff: float = Field(1e-3, gt=0, description="probe check: fail the sync above this")
 
 
-def sync_policy_to_engine(policy: Policy, engine: GenerationEngine, version: int, probe, cfg: WeightSyncConfig):
+def sync_policy_to_engine(
+    policy: Policy, engine: GenerationEngine, version: int, probe, cfg: WeightSyncConfig
+):
     """TEMPORARY in-process refit (replaced by generation/weight_sync.py): copy, then probe-check."""
     t0 = time.perf_counter()
     engine.load_weights(policy.full_state_dict(), version)
@@ -82,7 +84,11 @@ def sync_policy_to_engine(policy: Policy, engine: GenerationEngine, version: int
     diff = (trainer - ours).abs()
     if float(diff.max()) > cfg.max_abs_logprob_diff:
         raise RuntimeError(f"weight sync check failed: max |logprob diff| {float(diff.max()):.3g}")
-    return {"seconds": time.perf_counter() - t0, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+    }
 
 
 class GRPOConfig(Config):
@@ -107,6 +113,8 @@ class GRPOConfig(Config):
 
 # Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
 RESUME_KEYS = ("grpo", "sampling", "task", "loss")
+# ... except these, which a resumed run may change.
+RESUME_MAY_CHANGE = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start")
 
 
 @dataclass
@@ -456,7 +464,7 @@ def resume_from(run: Run, ckpt: CheckpointManager) -> None:
         return
     run.policy.prepare_for_training()
     extra = run.policy.load_checkpoint(str(path))
-    check_resume_config(extra.get("config", {}), _resume_view(run.cfg), RESUME_KEYS)
+    check_resume_config(extra.get("config", {}), _resume_view(run.cfg), RESUME_MAY_CHANGE)
     run.step = int(extra["step"])
     run.task.train.load_state_dict(extra["train_data"])
     sync_weights(run)

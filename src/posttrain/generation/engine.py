@@ -567,8 +567,8 @@ class WeightLoad:
                 target.data = tensor.detach()
             else:
                 target.data.copy_(tensor)
+                self.nbytes += tensor.numel() * tensor.element_size()
         self.seen.add(id(target))
-        self.nbytes += tensor.numel() * tensor.element_size()
 
     def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         target = self.targets.get(name.removeprefix("_orig_mod."))

@@ -1,0 +1,141 @@
+"""GRPO end to end on CPU: resume exactness, reward failures, bad config."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+from posttrain.config import apply_overrides, build_config
+from posttrain.logging import read_metrics
+from posttrain.policy.policy import Policy
+from posttrain.tasks.rewards import RewardError
+
+TINY = {"policy": {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}}}}
+
+
+def small_cfg(out, *overrides) -> GRPOConfig:
+    base = {
+        "policy": {
+            "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}},
+            "train_global_batch_size": 16,
+            "microbatch": {"train_micro_batch_size": 16},
+            "optimizer": {"lr": 1e-3},
+        },
+        "generation": {"max_num_seqs": 16},
+        "sampling": {"max_new_tokens": 3},
+        "grpo": {
+            "num_prompts_per_step": 4,
+            "num_generations_per_prompt": 4,
+            "max_num_steps": 4,
+            "val_period": 2,
+        },
+        "task": {"max_eval_prompts": 8},
+        "checkpointing": {"save_period": 2},
+        "logging": {"progress_bar": False},
+        "output_dir": str(out),
+    }
+    return build_config(GRPOConfig, apply_overrides(base, list(overrides)))
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+    full = small_cfg(tmp_path / "full")
+    run_grpo(full)
+    stopped = small_cfg(tmp_path / "resumed", "grpo.max_num_steps=2")
+    run_grpo(stopped)
+    resumed = small_cfg(tmp_path / "resumed", "grpo.max_num_steps=4")
+    run_grpo(resumed)
+    a = [r for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if r["step"] > 2]
+    b = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if r["step"] > 2]
+    keys = [
+        "reward",
+        "train/loss",
+        "train/grad_norm",
+        "completion_length",
+        "val/accuracy",
+        "train/probs_ratio",
+    ]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [3, 4]
+    for ra, rb in zip(a, b):
+        for k in keys:
+            if k in ra:
+                assert ra[k] == rb[k], (ra["step"], k)
+    ckpt_a = tmp_path / "full" / "checkpoints" / "step_4" / "extra_state.json"
+    ckpt_b = tmp_path / "resumed" / "checkpoints" / "step_4" / "extra_state.json"
+    assert json.loads(ckpt_a.read_text())["train_data"] == json.loads(ckpt_b.read_text())["train_data"]
+    pol_a, pol_b = Policy(full.policy), Policy(full.policy)
+    pol_a.load_checkpoint(str(tmp_path / "full" / "checkpoints" / "step_4"))
+    pol_b.load_checkpoint(str(tmp_path / "resumed" / "checkpoints" / "step_4"))
+    sa, sb = pol_a.full_state_dict(), pol_b.full_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resume_refuses_a_changed_loop_config(tmp_path):
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=2"))
+    with pytest.raises(ValueError, match=r"grpo.num_generations_per_prompt: checkpoint 4, now 2"):
+        run_grpo(
+            small_cfg(
+                tmp_path,
+                "grpo.max_num_steps=3",
+                "grpo.num_generations_per_prompt=2",
+                "policy.train_global_batch_size=8",
+                "policy.microbatch.train_micro_batch_size=8",
+            )
+        )
+
+
+@pytest.fixture
+def flaky_reward_module(tmp_path, monkeypatch):
+    """A reward module that raises for prompts with an even answer and scores the rest by length + 1."""
+    mod = tmp_path / "flaky_reward.py"
+    mod.write_text(
+        textwrap.dedent(
+            """
+            def reward(prompts, completions, metadata):
+                out = []
+                for c, m in zip(completions, metadata):
+                    if int(m["answer"]) % 2 == 0:
+                        raise RuntimeError("reward server down for " + c)
+                    out.append(float(len(c)) + 1.0)
+                return out
+
+            def always_fails(prompts, completions, metadata):
+                raise RuntimeError("broken reward")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "flaky_reward"
+    sys.modules.pop("flaky_reward", None)
+
+
+def test_failed_rewards_are_counted_not_zeroed(tmp_path, flaky_reward_module):
+    cfg = small_cfg(
+        tmp_path,
+        f"task.reward_fn={flaky_reward_module}:reward",
+        "grpo.max_num_steps=2",
+        "checkpointing.enabled=false",
+        "task.reward.max_failed_fraction=1.0",
+    )
+    run_grpo(cfg)
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0 and "reward" in r]
+    assert sum(r["reward_failed"] for r in steps) > 0
+    assert all(r["reward"] >= 1.0 for r in steps)  # failed samples did not enter as 0
+    assert all(r["train/num_valid_samples"] == 16 - r["reward_failed"] for r in steps)
+
+
+def test_reward_errors_stop_the_run_when_configured(tmp_path, flaky_reward_module):
+    cfg = small_cfg(
+        tmp_path, f"task.reward_fn={flaky_reward_module}:always_fails", "task.reward.on_reward_error=raise"
+    )
+    with pytest.raises(RewardError):
+        run_grpo(cfg)
+
+
+def test_unknown_reward_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no_such_module"):
+        run_grpo(small_cfg(tmp_path, "task.reward_fn=no_such_module:reward"))

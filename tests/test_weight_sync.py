@@ -1,0 +1,292 @@
+"""Checked weight sync: in-process (copy, share, FSDP gather), across processes (Ray actors over a gloo
+group, in buckets), corrupted / stale / partial syncs caught, and the GPU-only paths (CUDA IPC, NCCL,
+sleep freeing device memory) behind the `gpu` marker."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import random_batch
+from helpers import policy_cfg
+from posttrain.algorithms.losses import NLLLoss
+from posttrain.generation.engine import EngineStateError, GenerationEngine
+from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.generation.probe import WeightSyncError
+from posttrain.generation.weight_sync import (
+    WeightSync,
+    WeightSyncConfig,
+    broadcast_weights,
+    new_group_info,
+    pack_bucket,
+    plan_buckets,
+    sync_model,
+    unpack_bucket,
+)
+from posttrain.models.hf import build_tiny_model
+from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.policy.policy import Policy
+
+TOK = build_char_tokenizer()
+VOCAB = len(TOK)
+GREEDY = SamplingParams(greedy=True, max_new_tokens=12, stop_at_eos=False)
+PROMPTS = [[5, 9, 14, 22], [7], [30, 31, 32, 33, 34, 35, 36], [12, 40]]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def build_engine_parts(seed: int = 77):
+    """Model and tokenizer of an engine (picklable through functools.partial for Ray actors)."""
+    return build_tiny_model(VOCAB, seed=seed), build_char_tokenizer()
+
+
+def fresh_outputs(state: dict[str, torch.Tensor], device: str = "cpu") -> list[list[int]]:
+    """Greedy completions of a new engine loaded from `state`: what a correct sync must reproduce."""
+    engine = GenerationEngine(*build_engine_parts(), GenerationConfig(device=device))
+    engine.load_weights(state, version=0)
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+def train(policy: Policy, steps: int = 2) -> None:
+    for s in range(steps):
+        policy.train(random_batch(8, 16, seed=s), NLLLoss())
+
+
+def version_of(policy: Policy) -> int:
+    return policy.get_states()[0]["trainer_version"]
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def test_in_process_copy_sync_after_training():
+    policy = Policy(policy_cfg())
+    engine = GenerationEngine(*build_engine_parts())
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    sync.sync_local(policy, engine, version_of(policy))
+    before = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    train(policy)
+    metrics = sync.sync_local(policy, engine, version_of(policy))
+    assert metrics["version"] == 2 and engine.weight_version == 2
+    assert metrics["probe_max_abs_diff"] < 1e-5 and metrics["probe_mean_abs_diff"] < 1e-6
+    after = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in after] == fresh_outputs(policy.full_state_dict())
+    assert [r.token_ids for r in after] != before  # training (lr 1e-2) changed the greedy outputs
+    assert {r.weight_version for r in after} == {2}
+
+
+def test_in_process_share_sync_follows_the_trainer():
+    policy = Policy(policy_cfg())
+    engine = GenerationEngine(*build_engine_parts())
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    metrics = sync.sync_local(policy, engine, 0, share=True)
+    assert metrics["bytes"] == 0.0 and metrics["probe_max_abs_diff"] < 1e-5
+    train(policy, steps=1)  # in-place optimizer step on the shared tensors
+    metrics = sync.sync_local(policy, engine, version_of(policy), share=True)
+    assert metrics["probe_max_abs_diff"] < 1e-5 and engine.weight_version == 1
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == fresh_outputs(policy.full_state_dict())
+    # a later copy-sync must not write into the trainer's tensors
+    snapshot = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    engine.load_weights(GenerationEngine(*build_engine_parts(seed=5)).model.state_dict(), version=9)
+    for k, v in policy.full_state_dict().items():
+        torch.testing.assert_close(v, snapshot[k], rtol=0, atol=0)
+
+
+def test_in_process_sync_gathers_fsdp2_shards():
+    policy = Policy(policy_cfg(parallel={"fsdp": "always"}))
+    train(policy, steps=1)
+    model = policy.group.workers[0].model
+    assert any(type(p).__name__ == "DTensor" for p in model.parameters())
+    engine = GenerationEngine(*build_engine_parts())
+    sync_model(model, engine, version=1)
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    metrics = sync.check(engine.compute_logprobs(sync.probe.sequences), sync.trainer_probe(policy), version=1)
+    assert metrics["probe_max_abs_diff"] < 1e-5
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == fresh_outputs(policy.full_state_dict())
+    with pytest.raises(ValueError, match="share=True needs unsharded"):
+        sync_model(model, engine, version=2, share=True)
+
+
+def test_corrupted_stale_and_partial_syncs_are_caught():
+    policy = Policy(policy_cfg())
+    engine = GenerationEngine(*build_engine_parts())
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    stale = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    train(policy)
+    reference = sync.trainer_probe(policy)
+
+    corrupted = policy.full_state_dict()
+    corrupted["model.layers.1.mlp.down_proj.weight"] += 0.05 * torch.randn_like(
+        corrupted["model.layers.1.mlp.down_proj.weight"]
+    )
+    engine.load_weights(corrupted, version=2)
+    with pytest.raises(WeightSyncError, match="failed the probe check"):
+        sync.check(engine.compute_logprobs(sync.probe.sequences), reference, version=2)
+
+    engine.load_weights(stale, version=2)  # the old weights under the new version number
+    with pytest.raises(WeightSyncError, match="version 2"):
+        sync.check(engine.compute_logprobs(sync.probe.sequences), reference, version=2)
+
+    partial = dict(list(policy.full_state_dict().items())[1:])
+    with pytest.raises(ValueError, match="incomplete weights"):
+        engine.load_weights(partial, version=2)
+    with pytest.raises(EngineStateError, match="no complete weights"):
+        engine.compute_logprobs(sync.probe.sequences)
+
+
+def test_buckets_are_bounded_and_roundtrip_any_dtype():
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(10, 30, generator=g)),
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c", torch.randint(0, 9, (3, 4), generator=g)),
+        ("big", torch.randn(2000, generator=g)),
+        ("d", torch.randn(5, 5, generator=g).half()),
+    ]
+    bound = 2048
+    buckets = list(plan_buckets(tensors, bound))
+    assert [len(b) for b in buckets] == [3, 1, 1]  # "big" (8000 bytes > bound) travels alone
+    out = {}
+    for bucket in buckets:
+        header, buffer = pack_bucket(bucket, 4, None, torch.device("cpu"))
+        assert header.nbytes <= bound or len(bucket) == 1
+        out.update({k: v.clone() for k, v in unpack_bucket(header, buffer)})
+    for name, t in tensors:
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+
+
+# ---------------------------------------------------------------------------- across processes
+
+
+@pytest.mark.distributed
+def test_sync_to_ray_engine_over_gloo_in_buckets(ray_session):
+    """Trainer in one Ray actor, engine in another; this process relays over a gloo group."""
+    from posttrain.generation.rollout import RolloutEngine
+    from posttrain.generation.weight_sync import WeightSyncGroup
+
+    ray = ray_session
+    policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 1}))
+    actor_cls = ray.remote(num_cpus=1)(RolloutEngine)
+    engine = actor_cls.remote(functools.partial(build_engine_parts), GenerationConfig(max_num_seqs=8))
+    cfg = WeightSyncConfig(bucket_mb=0.05, timeout_s=60)  # ~50 KB buckets: many of them
+    info = new_group_info(1, cfg)
+    joined = engine.join_weight_group.remote(info, 1)
+    group = WeightSyncGroup(info, 0)
+    ray.get(joined, timeout=60)
+    sync = WeightSync(cfg, VOCAB)
+    try:
+        train(policy)
+        metrics = sync.sync_remote(policy, [engine], group, version_of(policy))
+        assert metrics["probe_max_abs_diff"] < 1e-5 and metrics["bytes"] > 0
+        assert ray.get(engine.get_weight_version.remote(), timeout=60) == 2
+        remote = ray.get(engine.generate.remote(PROMPTS, GREEDY), timeout=60)
+        assert [r.token_ids for r in remote] == fresh_outputs(policy.full_state_dict())
+
+        corrupted = policy.full_state_dict()
+        corrupted["model.embed_tokens.weight"][10:20] = 0.0
+        pending = engine.receive_weights.remote()
+        stats = broadcast_weights(group, corrupted.items(), 3, cfg.bucket_bytes)
+        assert stats["buckets"] > 3
+        ray.get(pending, timeout=60)
+        lp = ray.get(engine.compute_logprobs.remote(sync.probe.sequences), timeout=60)
+        with pytest.raises(WeightSyncError, match="version 3"):
+            sync.check(lp, sync.trainer_probe(policy), version=3)
+    finally:
+        ray.kill(engine)
+        policy.shutdown()
+
+
+# ---------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sleep_releases_and_wake_restores_cuda_memory():
+    engine = GenerationEngine(*build_engine_parts(), GenerationConfig(device="cuda", max_num_seqs=16))
+    before = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    engine.sleep()
+    assert torch.cuda.memory_allocated() < used
+    engine.wake()
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == before
+
+
+def _ipc_engine_process(conn) -> None:
+    from posttrain.generation.rollout import RolloutEngine
+
+    engine = RolloutEngine(build_engine_parts, GenerationConfig(device="cuda"))
+    while True:
+        bucket = conn.recv()
+        conn.send(engine.load_ipc_bucket(bucket))
+        if bucket.header.final:
+            break
+    conn.send([r.token_ids for r in engine.generate(PROMPTS, GREEDY)])
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@needs_cuda
+def test_cuda_ipc_sync_to_a_colocated_engine_process():
+    import torch.multiprocessing as mp
+
+    from posttrain.generation.weight_sync import push_ipc
+
+    model = build_tiny_model(VOCAB, seed=3).cuda()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_engine_process, args=(child,))
+    proc.start()
+    try:
+
+        def deliver(bucket):
+            parent.send(bucket)
+            return parent.recv()
+
+        stats = push_ipc(model.state_dict().items(), 5, deliver, 4096, torch.device("cuda"))
+        assert stats["bytes"] > 0
+        assert parent.recv() == fresh_outputs(model.state_dict(), device="cuda")
+    finally:
+        proc.join(timeout=60)
+
+
+def _nccl_receiver(info, conn) -> None:
+    from posttrain.generation.rollout import RolloutEngine
+
+    torch.cuda.set_device(1)
+    engine = RolloutEngine(build_engine_parts, GenerationConfig(device="cuda:1"))
+    engine.join_weight_group(info, 1)
+    conn.send(engine.receive_weights()["version"])
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_nccl_broadcast_sync():
+    import torch.multiprocessing as mp
+
+    from posttrain.generation.weight_sync import WeightSyncGroup
+
+    cfg = WeightSyncConfig(backend="nccl", bucket_mb=0.01, timeout_s=60)
+    info = new_group_info(1, cfg)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_nccl_receiver, args=(info, child))
+    proc.start()
+    try:
+        group = WeightSyncGroup(info, 0)
+        model = build_tiny_model(VOCAB, seed=3).cuda()
+        broadcast_weights(group, model.state_dict().items(), 7, cfg.bucket_bytes)
+        assert parent.recv() == 7.0
+    finally:
+        proc.join(timeout=60)
