@@ -15,6 +15,7 @@ from posttrain.algorithms.losses import NLLLoss
 from posttrain.generation.engine import EngineStateError, GenerationEngine
 from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.probe import WeightSyncError
+from posttrain.generation.rollout import model_parts
 from posttrain.generation.weight_sync import (
     WeightSync,
     WeightSyncConfig,
@@ -46,8 +47,8 @@ def _one_thread():
 
 
 def build_engine_parts(seed: int = 77):
-    """Model and tokenizer of an engine (picklable through functools.partial for Ray actors)."""
-    return build_tiny_model(VOCAB, seed=seed), build_char_tokenizer()
+    """Model and tokenizer of an engine (weights get replaced by every sync)."""
+    return model_parts("tiny", seed)
 
 
 def fresh_outputs(state: dict[str, torch.Tensor], device: str = "cpu") -> list[list[int]]:
@@ -177,7 +178,7 @@ def test_sync_to_ray_engine_over_gloo_in_buckets(ray_session):
     ray = ray_session
     policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 1}))
     actor_cls = ray.remote(num_cpus=1)(RolloutEngine)
-    engine = actor_cls.remote(functools.partial(build_engine_parts), GenerationConfig(max_num_seqs=8))
+    engine = actor_cls.remote(functools.partial(model_parts, "tiny", 77), GenerationConfig(max_num_seqs=8))
     cfg = WeightSyncConfig(bucket_mb=0.05, timeout_s=60)  # ~50 KB buckets: many of them
     info = new_group_info(1, cfg)
     joined = engine.join_weight_group.remote(info, 1)
@@ -225,7 +226,7 @@ def test_sleep_releases_and_wake_restores_cuda_memory():
 def _ipc_engine_process(conn) -> None:
     from posttrain.generation.rollout import RolloutEngine
 
-    engine = RolloutEngine(build_engine_parts, GenerationConfig(device="cuda"))
+    engine = RolloutEngine(functools.partial(model_parts, "tiny", 77), GenerationConfig(device="cuda"))
     while True:
         bucket = conn.recv()
         conn.send(engine.load_ipc_bucket(bucket))
@@ -264,7 +265,7 @@ def _nccl_receiver(info, conn) -> None:
     from posttrain.generation.rollout import RolloutEngine
 
     torch.cuda.set_device(1)
-    engine = RolloutEngine(build_engine_parts, GenerationConfig(device="cuda:1"))
+    engine = RolloutEngine(functools.partial(model_parts, "tiny", 77), GenerationConfig(device="cuda:1"))
     engine.join_weight_group(info, 1)
     conn.send(engine.receive_weights()["version"])
 

@@ -27,6 +27,7 @@ from posttrain.config import Config, dump_config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model
@@ -59,36 +60,6 @@ class GRPOLoopConfig(Config):
     val_num_generations: int = Field(1, ge=1, description="k of pass@k (k=1: greedy accuracy)")
     val_max_prompts: int | None = Field(None, ge=1)
     seed: int = 0
-
-
-class WeightSyncConfig(Config):
-    """How trainer weights reach the engine, and how each sync is checked."""
-
-    max_abs_logprob_diff: float = Field(1e-3, gt=0, description="probe check: fail the sync above this")
-
-
-def sync_policy_to_engine(
-    policy: Policy, engine: GenerationEngine, version: int, probe, cfg: WeightSyncConfig
-):
-    """TEMPORARY in-process refit (replaced by generation/weight_sync.py): copy, then probe-check."""
-    t0 = time.perf_counter()
-    engine.load_weights(policy.full_state_dict(), version)
-    lengths = torch.tensor([len(p) for p in probe])
-    ids = torch.zeros(len(probe), int(lengths.max()), dtype=torch.long)
-    for i, p in enumerate(probe):
-        ids[i, : len(p)] = torch.tensor(p)
-    from posttrain.data.batch import make_batch
-
-    trainer = policy.get_logprobs(make_batch(input_ids=ids, input_lengths=lengths))
-    ours = engine.compute_logprobs(probe, temperature=policy.cfg.logprob_temperature)
-    diff = (trainer - ours).abs()
-    if float(diff.max()) > cfg.max_abs_logprob_diff:
-        raise RuntimeError(f"weight sync check failed: max |logprob diff| {float(diff.max()):.3g}")
-    return {
-        "seconds": time.perf_counter() - t0,
-        "max_abs_diff": float(diff.max()),
-        "mean_abs_diff": float(diff.mean()),
-    }
 
 
 class GRPOConfig(Config):
@@ -138,7 +109,7 @@ class Run:
     task: Task
     tokenizer: Any
     loss_fn: ClippedPGLoss
-    probe: list[list[int]]
+    weight_sync: WeightSync
     step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -230,9 +201,8 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     tokenizer = build_tokenizer(cfg.policy.model)
     task = build_task(cfg.task, tokenizer)
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, cfg.generation)
-    probe_items = (task.eval or task.train).items[:8]
-    probe = [list(it.prompt_token_ids) + list(it.prompt_token_ids[-2:]) for it in probe_items]
-    run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), probe)
+    sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.cluster.num_workers)
+    run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     sync_weights(run)
     return run
 
@@ -395,7 +365,7 @@ def sync_weights(run: Run) -> dict[str, float]:
     run.policy.prepare_for_lp_inference()
     run.engine.wake()
     version = run.policy.get_states()[0]["trainer_version"]
-    metrics = sync_policy_to_engine(run.policy, run.engine, version, run.probe, run.cfg.weight_sync)
+    metrics = run.weight_sync.sync_local(run.policy, run.engine, version)
     return {f"weight_sync/{k}": v for k, v in metrics.items()}
 
 

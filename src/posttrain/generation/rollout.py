@@ -1,10 +1,11 @@
 """`RolloutEngine`: a generation engine that builds its own model and receives weights, so it can live
 in another process (a Ray actor) and be refitted over a `WeightSyncGroup` or CUDA IPC.
 
-    engine = ray.remote(RolloutEngine).remote(functools.partial(build_fn, ...), GenerationConfig())
+    engine = ray.remote(RolloutEngine).remote(functools.partial(model_parts, "tiny", 0), GenerationConfig())
 
-`build` is any picklable zero-argument callable returning `(model, tokenizer)`; nothing heavy
-crosses the process boundary at construction. Ray is not imported here.
+`build` is any picklable zero-argument callable returning `(model, tokenizer)` (`model_parts` covers
+Hugging Face directories and the built-in tiny model); nothing heavy crosses the process boundary at
+construction. Ray is not imported here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.generation.engine import GenerationEngine
+from posttrain.models.hf import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.generation.params import GenerationConfig
 from posttrain.generation.weight_sync import (
     IpcBucket,
@@ -21,6 +24,15 @@ from posttrain.generation.weight_sync import (
     WeightSyncGroup,
     receive_weights,
 )
+
+
+def model_parts(name: str = "tiny", seed: int = 0, tiny: TinyModelConfig | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer): a Hugging Face directory or hub name, or `tiny` (random tiny model with the
+    built-in character tokenizer, deterministic for `seed`)."""
+    if name == "tiny":
+        tokenizer = build_char_tokenizer()
+        return build_tiny_model(len(tokenizer), seed=seed, cfg=tiny), tokenizer
+    return load_model(name), load_tokenizer(name)
 
 
 class RolloutEngine(GenerationEngine):
