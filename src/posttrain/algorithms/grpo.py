@@ -29,6 +29,7 @@ from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
+from posttrain.parallel.mesh import default_device
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.policy.policy import Policy
@@ -200,7 +201,10 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     policy = policy or Policy(cfg.policy)
     tokenizer = build_tokenizer(cfg.policy.model)
     task = build_task(cfg.task, tokenizer)
-    engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, cfg.generation)
+    gen_cfg = cfg.generation
+    if gen_cfg.device is None:  # generate where the trainer trains (the GPU when there is one)
+        gen_cfg = gen_cfg.model_copy(update={"device": str(default_device())})
+    engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
     sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.cluster.num_workers)
     run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     sync_weights(run)
