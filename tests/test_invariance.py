@@ -84,3 +84,13 @@ def test_two_ray_ranks_fsdp2_match_one_local_rank(loss_name, ray_session):
         cluster={"backend": "ray", "num_workers": 2},
     )
     assert_same_step(ref, two)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"activation_checkpointing": True}, {"fsdp": "always"}, {"fsdp": "always", "fsdp_cpu_offload": True}],
+    ids=["activation_checkpointing", "fsdp_one_rank", "fsdp_cpu_offload"],
+)
+def test_parallel_options_do_not_change_the_step(parallel):
+    ref = one_step("pg_token")
+    assert_same_step(ref, one_step("pg_token", parallel=parallel))

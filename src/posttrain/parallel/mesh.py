@@ -98,4 +98,7 @@ def apply_fsdp(
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute decoder-layer activations in backward (non-reentrant)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

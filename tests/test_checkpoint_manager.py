@@ -1,0 +1,62 @@
+"""CheckpointManager: save period, keep-top-k by metric (newest always kept), resume modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+
+
+class FakePolicy:
+    def save_checkpoint(self, path, extra_state):
+        from pathlib import Path
+
+        p = Path(path)
+        p.mkdir(parents=True)
+        (p / "extra_state.json").write_text(json.dumps(extra_state))
+        (p / "metadata.json").write_text("{}")
+
+
+def test_keep_top_k_by_metric_keeps_best_and_newest(tmp_path):
+    cfg = CheckpointingConfig(save_period=1, keep_top_k=2, metric_name="val/accuracy")
+    mgr = CheckpointManager(cfg, tmp_path)
+    for step, acc in enumerate([0.5, 0.9, 0.1, 0.7, 0.2], start=1):
+        mgr.save(FakePolicy(), step, {"step": step}, {"val/accuracy": acc, "nan": float("nan")})
+    kept = [p.name for p in mgr.complete_checkpoints()]
+    assert kept == ["step_2", "step_4", "step_5"]  # best two (0.9, 0.7) + the newest
+    assert mgr.resume_path().name == "step_5"
+
+
+def test_resume_modes(tmp_path):
+    mgr = CheckpointManager(CheckpointingConfig(resume="never"), tmp_path)
+    mgr.save(FakePolicy(), 3, {}, {})
+    assert mgr.resume_path() is None
+    assert CheckpointManager(CheckpointingConfig(resume="auto"), tmp_path / "empty").resume_path() is None
+    explicit = CheckpointManager(
+        CheckpointingConfig(resume=str(tmp_path / "checkpoints" / "step_3")), tmp_path
+    )
+    assert explicit.resume_path().name == "step_3"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        CheckpointManager(CheckpointingConfig(resume=str(tmp_path / "nope")), tmp_path).resume_path()
+    (tmp_path / "checkpoints" / "step_9").mkdir()  # incomplete (no metadata.json): ignored by auto
+    assert CheckpointManager(CheckpointingConfig(), tmp_path).resume_path().name == "step_3"
+
+
+def test_should_save():
+    mgr = CheckpointManager(CheckpointingConfig(save_period=3), "x")
+    assert [s for s in range(1, 8) if mgr.should_save(s, last_step=7)] == [3, 6, 7]
+    assert not CheckpointManager(CheckpointingConfig(enabled=False), "x").should_save(3, 7)
+
+
+def test_config_mismatch_lists_each_key():
+    with pytest.raises(ValueError, match=r"grpo.seed: checkpoint 0, now 1"):
+        check_resume_config(
+            {"grpo": {"seed": 0, "max_num_steps": 3}},
+            {"grpo": {"seed": 1, "max_num_steps": 9}},
+            ("grpo.max_num_steps",),
+        )
+    check_resume_config(
+        {"grpo": {"max_num_steps": 3}}, {"grpo": {"max_num_steps": 9}}, ("grpo.max_num_steps",)
+    )
