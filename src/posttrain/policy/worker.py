@@ -25,6 +25,7 @@ from posttrain.data.normalization import LossFn, finalize_metrics
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
+from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
@@ -59,6 +60,7 @@ class PolicyWorker:
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.trainer_version = 0
         self._step: OpenStep | None = None
+        self._comms_snapshot: comms.CommsSnapshot | None = None
         self._build_distributed(master_addr, master_port)
         self.device = pmesh.default_device()
         self.dtype = DTYPES[cfg.precision]
@@ -429,9 +431,7 @@ class PolicyWorker:
         """Destroy this rank's device process groups (idempotent; parallel/comms.py). Until
         `rebuild_comms()`, verbs that need a collective raise PhaseError. Returns groups_destroyed, seconds
         and, on a GPU, device bytes used before/after. A failure names the group; call again to retry."""
-        from posttrain.parallel import comms
-
-        snap = getattr(self, "_comms_snapshot", None)
+        snap = self._comms_snapshot
         if snap is None:
             snap = comms.collect_groups(self.model if self.use_fsdp else None, device_type=self.device.type)
             self._comms_snapshot = snap
@@ -442,9 +442,7 @@ class PolicyWorker:
     def rebuild_comms(self) -> dict[str, Any]:
         """Recreate the groups `teardown_comms()` destroyed and re-bind them to the model's sharding state
         (idempotent; collective: call on every rank). Returns groups_created, seconds and device bytes."""
-        from posttrain.parallel import comms
-
-        snap = getattr(self, "_comms_snapshot", None)
+        snap = self._comms_snapshot
         if snap is None:
             self.lifecycle.comms_up = True
             return {"groups_created": 0, "groups_destroyed": 0, "seconds": 0.0}
