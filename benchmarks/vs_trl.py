@@ -2,29 +2,34 @@
 
 Both sides start from the same SFT warm start of the tiny model (posttrain SFT on the arithmetic task,
 run once here) and train with the same prompts per step, generations per prompt, completion length,
-temperature, learning rate (constant), clip epsilon, no KL term, token-level loss mean, one optimizer
-step per generation batch and the same number of steps. Each training run is its own subprocess
-(posttrain and TRL never share a process); in full mode the runs are interleaved (ABBA) over seeds.
+temperature, learning rate (constant), clip epsilon, no KL term, token-level loss mean, grad-norm clip,
+one optimizer step per generation batch and the same number of steps.
 
-Reported: median seconds per step (start-up excluded: posttrain's own `step_time_s`, TRL's wall-clock
-from `on_step_begin` to `on_step_end`, both covering generate + score + train) and the final held-out
-greedy accuracy of each trained model, both evaluated by the same code here (HF `generate`, greedy).
+Timing on a shared machine: each pair of runs (one posttrain, one TRL, same seed) runs as two
+processes in lockstep. Both start up, meet at a barrier, then take turns one step each, so every
+posttrain step has a TRL neighbour under the same background load; start-up is excluded. A step is
+timed by wall clock around the whole step on both sides (posttrain: `grpo_step`, i.e. generate, score,
+advantages, logprobs, train, weight sync; TRL: `on_step_begin` to `on_step_end`, i.e. generate, score,
+train). Seeds alternate which side goes first. Medians over all steps but each run's first.
 
-Config mapping (TRL terms): per_device_train_batch_size = prompts x generations (completions per optimizer
-step), gradient_accumulation_steps = steps_per_generation = 1, num_iterations = 1, so prompts per step =
-per_device_train_batch_size * gradient_accumulation_steps / num_generations. loss_type="dapo" (masked
-token sum over the whole generation batch / its token count) is posttrain's token-level mean;
-scale_rewards="group" is posttrain's normalize_rewards; beta=0 is reference_policy_kl_penalty=0.
+Accuracy: each final model is saved and evaluated by the same code here, greedy decoding of the
+held-out arithmetic prompts with HF `generate`; the mean over seeds is reported.
 
-    python benchmarks/vs_trl.py [--quick]      # needs `pip install -e .[bench]` (trl)
+Config mapping (TRL terms): per_device_train_batch_size = prompts x generations (completions per
+optimizer step), gradient_accumulation_steps = steps_per_generation = 1, num_iterations = 1, so
+prompts per step = per_device_train_batch_size * gradient_accumulation_steps / num_generations.
+loss_type="dapo" (masked token sum over the generation batch / its token count) is posttrain's
+token-level mean; scale_rewards="group" is normalize_rewards; beta=0 is reference_policy_kl_penalty=0;
+epsilon is ratio_clip_min = ratio_clip_max; lr_scheduler_type="constant" is posttrain's empty schedule.
+
+    python benchmarks/vs_trl.py [--quick]      # needs trl: pip install -e .[bench]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import subprocess
+import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line  # noqa: E402
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+WAIT_S = 900.0  # bound on waiting for the other side (it crashed if this runs out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Setting:
     temperature: float = 1.0
     lr: float = 1e-3
     clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
     sft_lr: float = 3e-3
     sft_batch: int = 32
 
@@ -57,8 +64,8 @@ class Setting:
         return self.prompts_per_step * self.generations
 
 
-QUICK = Setting(sft_steps=40, prompts_per_step=4, generations=4, max_new_tokens=4, steps=4, seeds=(0,))
-FULL = Setting(sft_steps=120, prompts_per_step=16, generations=8, max_new_tokens=4, steps=40, seeds=(0, 1))
+QUICK = Setting(sft_steps=10, prompts_per_step=4, generations=4, max_new_tokens=4, steps=4, seeds=(0,))
+FULL = Setting(sft_steps=120, prompts_per_step=16, generations=8, max_new_tokens=4, steps=40, seeds=(0, 1, 2))
 
 
 def _task(tokenizer):
@@ -66,6 +73,26 @@ def _task(tokenizer):
     from posttrain.tasks.build import build_task
 
     return build_task(ArithmeticTaskConfig(), tokenizer)
+
+
+class Lockstep:
+    """Two processes take turns one step at a time, after both are ready (see the module docstring)."""
+
+    def __init__(self, ctx, first: int) -> None:
+        self.ready = ctx.Barrier(2)
+        self.turn = [ctx.Semaphore(int(first == 0)), ctx.Semaphore(int(first == 1))]
+        self.me = -1
+        self.started = False
+
+    def begin(self) -> None:
+        if not self.started:
+            self.ready.wait(WAIT_S)
+            self.started = True
+        if not self.turn[self.me].acquire(timeout=WAIT_S):
+            raise TimeoutError("the other side of the benchmark stopped taking turns")
+
+    def end(self) -> None:
+        self.turn[1 - self.me].release()
 
 
 # --------------------------------------------------------------------------- warm start
@@ -94,24 +121,24 @@ def warm_start(s: Setting, out: Path) -> Path:
     return out / "hf"
 
 
-# --------------------------------------------------------------------------- the two sides (subprocesses)
+# --------------------------------------------------------------------------- the two sides
 
 
-def train_posttrain(s: Setting, init: Path, out: Path, seed: int) -> dict:
-    """run_grpo from `init`; saves the final model to `<out>/final`."""
-    from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
+    """run_grpo from `init` (each step gated by `gate`); saves the final model to `<out>/final`."""
+    from posttrain.algorithms import grpo
     from posttrain.logging import read_metrics
     from posttrain.policy.policy import Policy
 
     n = s.samples_per_step
-    cfg = GRPOConfig.model_validate(
+    cfg = grpo.GRPOConfig.model_validate(
         {
             "policy": {
                 "model": {"name": str(init)},
                 "train_global_batch_size": n,
                 "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
                 "optimizer": {"lr": s.lr},
-                "max_grad_norm": 1.0,
+                "max_grad_norm": s.max_grad_norm,
                 "logprob_temperature": s.temperature,
                 "init_reference_model": False,
             },
@@ -135,33 +162,43 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int) -> dict:
             "output_dir": str(out),
         }
     )
-    t0 = time.perf_counter()
+    times: list[float] = []
+    inner = grpo.grpo_step
+
+    def gated_step(run):  # run_grpo looks grpo_step up in its module on every step
+        gate.begin()
+        t0 = time.perf_counter()
+        try:
+            return inner(run)
+        finally:
+            times.append(time.perf_counter() - t0)
+            gate.end()
+
+    grpo.grpo_step = gated_step
     policy = Policy(cfg.policy)
-    run_grpo(cfg, policy)
-    total = time.perf_counter() - t0
+    grpo.run_grpo(cfg, policy)
     policy.prepare_for_lp_inference()
     policy.save_hf(str(out / "final"))
     records = [r for r in read_metrics(out / "metrics.jsonl") if "step_time_s" in r]
     phases = sorted({k for r in records for k in r if k.startswith("timing/")})
     return {
-        "step_times": [r["step_time_s"] for r in records],
-        "phases": {k: median([r[k] for r in records if k in r]) for k in phases},
+        "step_times": times,
+        "phases": {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases},
         "rewards": [r.get("reward", float("nan")) for r in records],
-        "total_s": total,
     }
 
 
-def train_trl(s: Setting, init: Path, out: Path, seed: int) -> dict:
-    """TRL GRPOTrainer from `init` on CPU with the matching config; saves the final model to `<out>/final`."""
+def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
+    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring); final model to `<out>/final`."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(init)
     task = _task(tokenizer)
-    # TRL tokenizes prompt text without adding special tokens here, so the BOS posttrain prepends is
-    # written into the text: both sides see exactly the same prompt token ids.
+    # TRL tokenizes the prompt text as is; posttrain prepends BOS to the ids, so the text carries it:
+    # both sides see exactly the same prompt token ids (checked).
     by_text = {tokenizer.bos_token + it.prompt: it for it in task.train.items}
     assert all(tokenizer(t)["input_ids"] == list(it.prompt_token_ids) for t, it in by_text.items())
 
@@ -170,16 +207,18 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int) -> dict:
         res = task.reward([it.prompt for it in items], completions, [it.metadata for it in items])
         return [None if f else r for r, f in zip(res.rewards, res.failed)]
 
-    class StepTimer(TrainerCallback):
+    class GatedStepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
             self.t0 = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            gate.begin()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.t0)
+            gate.end()
 
     args = GRPOConfig(
         output_dir=str(out / "trl"),
@@ -204,7 +243,7 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int) -> dict:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        max_grad_norm=1.0,
+        max_grad_norm=s.max_grad_norm,
         optim="adamw_torch",
         beta=0.0,
         epsilon=s.clip_eps,
@@ -214,9 +253,8 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int) -> dict:
         gradient_checkpointing=False,
         use_vllm=False,
     )
-    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa")
-    timer = StepTimer()
+    timer = GatedStepTimer()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=arithmetic_reward,
@@ -225,45 +263,65 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int) -> dict:
         processing_class=tokenizer,
         callbacks=[timer],
     )
+    trainer.remove_callback(PrinterCallback)  # the per-step log dicts on the console
     trainer.train()
-    total = time.perf_counter() - t0
     trainer.model.save_pretrained(out / "final", safe_serialization=True)
     tokenizer.save_pretrained(out / "final")
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    return {"step_times": timer.times, "rewards": [h["reward"] for h in logs], "total_s": total}
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"step_times": timer.times, "phases": {}, "rewards": rewards}
 
 
-SIDES = {"posttrain": train_posttrain, "trl": train_trl}
+SIDES = ("posttrain", "trl")
+TRAIN = {"posttrain": train_posttrain, "trl": train_trl}
 
 
-def run_side(side: str, s: Setting, init: Path, out: Path, seed: int) -> dict:
-    """One training run in a fresh interpreter; returns its timing record."""
-    payload = json.dumps({"setting": dataclasses.asdict(s), "init": str(init), "out": str(out), "seed": seed})
-    subprocess.run([sys.executable, __file__, "--side", side, "--payload", payload], check=True)
-    return json.loads((out / "result.json").read_text())
+def _side_main(side: str, s: Setting, init: Path, out: Path, seed: int, gate: Lockstep, results) -> None:
+    t0 = time.perf_counter()
+    gate.me = SIDES.index(side)
+    result = TRAIN[side](s, init, out, seed, gate)
+    results[side] = {**result, "process_s": time.perf_counter() - t0}
+
+
+def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str) -> dict[str, dict]:
+    """One posttrain and one TRL run with `seed`, in lockstep; `first` takes the first step."""
+    ctx = mp.get_context("spawn")
+    gate = Lockstep(ctx, SIDES.index(first))
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [
+            ctx.Process(
+                target=_side_main, args=(side, s, init, root / f"{side}_seed{seed}", seed, gate, results)
+            )
+            for side in SIDES
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise RuntimeError(
+                f"a training process failed (exit codes {[p.exitcode for p in procs]}); see above"
+            )
+        return dict(results)
 
 
 # --------------------------------------------------------------------------- evaluation (same code for both)
 
 
 def heldout_accuracy(model_dir: Path, max_new_tokens: int) -> float:
-    """Greedy held-out accuracy of a saved model on the arithmetic eval prompts (HF generate)."""
+    """Greedy accuracy of a saved model on the held-out arithmetic prompts (HF generate, one batch)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    task = _task(tokenizer)
-    items = task.eval.items
+    items = _task(tokenizer).eval.items
     width = max(len(it.prompt_token_ids) for it in items)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor(
-        [[pad] * (width - len(it.prompt_token_ids)) + list(it.prompt_token_ids) for it in items]
-    )
-    mask = (
-        torch.arange(width)[None, :]
-        >= torch.tensor([width - len(it.prompt_token_ids) for it in items])[:, None]
-    ).long()
+    ids = torch.full((len(items), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for i, it in enumerate(items):  # left padding
+        ids[i, width - len(it.prompt_token_ids) :] = torch.tensor(it.prompt_token_ids)
+        mask[i, width - len(it.prompt_token_ids) :] = 1
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -271,65 +329,55 @@ def heldout_accuracy(model_dir: Path, max_new_tokens: int) -> float:
             do_sample=False,
             max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad,
+            pad_token_id=tokenizer.pad_token_id,
         )
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    res = task.reward([it.prompt for it in items], texts, [it.metadata for it in items])
+    res = _task(tokenizer).reward([it.prompt for it in items], texts, [it.metadata for it in items])
     return sum(r >= 1.0 and not f for r, f in zip(res.rewards, res.failed)) / len(items)
 
 
 # --------------------------------------------------------------------------- main
 
 
-def child(side: str, payload: str) -> None:
-    p = json.loads(payload)
-    s = Setting(**{**p["setting"], "seeds": tuple(p["setting"]["seeds"])})
-    out = Path(p["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    result = SIDES[side](s, Path(p["init"]), out, p["seed"])
-    (out / "result.json").write_text(json.dumps(result))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny setting, under a minute")
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
-    ap.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
-    ap.add_argument("--payload", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.side:
-        return child(args.side, args.payload)
     s = QUICK if args.quick else FULL
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    accs: dict[str, list[float]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
         t0 = time.perf_counter()
         init = warm_start(s, root / "sft")
-        print(f"warm start: {s.sft_steps} SFT steps in {time.perf_counter() - t0:.1f}s")
         acc0 = heldout_accuracy(init, s.max_new_tokens)
-        times: dict[str, list[float]] = {"posttrain": [], "trl": []}
-        accs: dict[str, list[float]] = {"posttrain": [], "trl": []}
+        print(
+            f"warm start: {s.sft_steps} SFT steps in {time.perf_counter() - t0:.1f}s, heldout_acc={acc0:.3f}"
+        )
         for i, seed in enumerate(s.seeds):
-            order = ("posttrain", "trl") if i % 2 == 0 else ("trl", "posttrain")  # ABBA interleave
-            for side in order:
-                out = root / f"{side}_seed{seed}"
-                r = run_side(side, s, init, out, seed)
-                acc = heldout_accuracy(out / "final", s.max_new_tokens)
+            results = run_pair(s, init, root, seed, first=SIDES[i % 2])
+            for side in SIDES:
+                r = results[side]
+                acc = heldout_accuracy(root / f"{side}_seed{seed}" / "final", s.max_new_tokens)
                 times[side] += r["step_times"][1:]  # the first step carries warm-up
                 accs[side].append(acc)
-                extra = "".join(f" {k[7:-2]}={v:.3f}" for k, v in r.get("phases", {}).items())
+                phases = "".join(f" {k}={v:.3f}" for k, v in r["phases"].items())
                 print(
-                    f"{side:9s} seed={seed} median_step={median(r['step_times'][1:]):.3f}s total={r['total_s']:.1f}s "
-                    f"reward first/last={r['rewards'][0]:.2f}/{r['rewards'][-1]:.2f} heldout_acc={acc:.3f}{extra}"
+                    f"{side:9s} seed={seed} median_step={median(r['step_times'][1:]):.3f}s "
+                    f"process={r['process_s']:.1f}s reward first/last={r['rewards'][0]:.2f}/{r['rewards'][-1]:.2f} "
+                    f"heldout_acc={acc:.3f}{phases}"
                 )
     ours, trl = median(times["posttrain"]), median(times["trl"])
-    acc_ours, acc_trl = sum(accs["posttrain"]) / len(accs["posttrain"]), sum(accs["trl"]) / len(accs["trl"])
+    acc_ours, acc_trl = (sum(accs[side]) / len(accs[side]) for side in SIDES)
     print(
         f"setting: {s.prompts_per_step} prompts x {s.generations} generations, {s.max_new_tokens} new tokens, "
         f"lr {s.lr}, {s.steps} steps, seeds {list(s.seeds)}"
     )
-    print(f"heldout accuracy after SFT warm start: {acc0:.3f}")
     print(f"seconds/step median: posttrain {ours:.3f}  trl {trl:.3f}  speedup {trl / ours:.2f}x")
-    print(f"heldout accuracy (mean over seeds): posttrain {acc_ours:.3f}  trl {acc_trl:.3f}")
+    print(
+        f"heldout accuracy (mean over seeds): posttrain {acc_ours:.3f}  trl {acc_trl:.3f}  (start {acc0:.3f})"
+    )
     print(result_line("grpo_speedup_vs_trl", trl / ours, ">=2"))
     print(result_line("heldout_acc_minus_trl", 100 * (acc_ours - acc_trl), ">=0"))
 

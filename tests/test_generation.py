@@ -333,6 +333,32 @@ def test_async_stream_and_agenerate():
     assert [s.token_ids for s in single] == [expected[0].token_ids, expected[2].token_ids]
 
 
+def test_weights_load_between_requests_while_streaming():
+    """load_weights_async pauses admission, lets running sequences finish on the old weights, loads,
+    and the waiting requests then run on the new ones (each result says which)."""
+    new_state = build_tiny_model(VOCAB, seed=21).state_dict()
+    prompts = prompts_of([3, 5, 4, 6, 2, 7])
+    params = SamplingParams(max_new_tokens=6, seed=2, stop_at_eos=False)
+    old_expected = make_engine(seed=20).generate(prompts, params)
+    new_engine = make_engine(seed=20)
+    new_engine.load_weights(new_state, version=5)
+    new_expected = new_engine.generate(prompts, params)
+
+    async def main():
+        engine = make_engine(seed=20, max_num_seqs=2)
+        stream = engine.astream(prompts, params)
+        first = await stream.__anext__()  # the engine is now busy with the first requests
+        await engine.load_weights_async(new_state, version=5)
+        return [first] + [r async for r in stream]
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    versions = {r.prompt_index: r.weight_version for r in results}
+    assert set(versions.values()) == {0, 5}
+    for r in results:
+        expected = new_expected if r.weight_version == 5 else old_expected
+        assert r.token_ids == expected[r.prompt_index].token_ids
+
+
 # ---------------------------------------------------------------------------- sleep / wake / weights
 
 

@@ -20,6 +20,7 @@ from posttrain.generation.weight_sync import (
     WeightSync,
     WeightSyncConfig,
     broadcast_weights,
+    iter_full_weights,
     new_group_info,
     pack_bucket,
     plan_buckets,
@@ -28,7 +29,9 @@ from posttrain.generation.weight_sync import (
 )
 from posttrain.models.hf import build_tiny_model
 from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.policy.lifecycle import ON_DEVICE, verb
 from posttrain.policy.policy import Policy
+from posttrain.policy.worker import PolicyWorker
 
 TOK = build_char_tokenizer()
 VOCAB = len(TOK)
@@ -205,6 +208,52 @@ def test_sync_to_ray_engine_over_gloo_in_buckets(ray_session):
     finally:
         ray.kill(engine)
         policy.shutdown()
+
+
+class SendingWorker(PolicyWorker):
+    """The worker verb this test proposes for policy/worker.py: hand the full weights to a sink."""
+
+    @verb(*ON_DEVICE, collective=True)
+    def send_weights(self, sink, version: int) -> dict[str, float]:
+        return sink(iter_full_weights(self.model), self.rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_trainer_actor_sends_straight_to_engine_actor(ray_session):
+    """Two trainer ranks (FSDP2 over gloo) and one engine, each a Ray actor; rank 0 broadcasts to the
+    engine over the sync group while both ranks gather shards (nothing goes through the driver)."""
+    import sys
+
+    from ray import cloudpickle
+
+    from posttrain.generation.rollout import RolloutEngine
+    from posttrain.generation.weight_sync import BroadcastSink
+
+    ray = ray_session
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship SendingWorker to the actors
+    policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 2}), worker_cls=SendingWorker)
+    engine = ray.remote(num_cpus=1)(RolloutEngine).remote(functools.partial(model_parts, "tiny", 77))
+    cfg = WeightSyncConfig(bucket_mb=0.1, timeout_s=60)
+    info = new_group_info(1, cfg)
+    sync = WeightSync(cfg, VOCAB, dp_size=2)
+    try:
+        train(policy, steps=1)
+        joined = engine.join_weight_group.remote(info, 1)
+        sending = policy.group.submit("send_weights", BroadcastSink(info, 1, cfg.bucket_bytes), 1)
+        ray.get(joined, timeout=60)  # the group forms once rank 0 of the trainer joins it
+        received = engine.receive_weights.remote()
+        sent = policy.group.get(sending, "send_weights")
+        assert sent[0]["buckets"] > 1 and sent[1]["buckets"] == 0  # only rank 0 sends
+        assert ray.get(received, timeout=60)["version"] == 1
+        lp = ray.get(engine.compute_logprobs.remote(sync.probe.sequences), timeout=60)
+        assert sync.check(lp, sync.trainer_probe(policy), version=1)["probe_max_abs_diff"] < 1e-5
+        remote = ray.get(engine.generate.remote(PROMPTS, GREEDY), timeout=60)
+        assert [r.token_ids for r in remote] == fresh_outputs(policy.full_state_dict())
+    finally:
+        ray.kill(engine)
+        policy.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 # ---------------------------------------------------------------------------- GPU only

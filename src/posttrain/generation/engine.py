@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 
@@ -32,6 +32,7 @@ from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
+from posttrain.generation.weights import WeightLoad, WeightsLike, named_tensors
 from posttrain.logging import get_logger
 from posttrain.models.logprobs import token_logprobs
 
@@ -39,7 +40,7 @@ log = get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user-seeded ones
-WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds the KV cache)
 
 
 class EngineStateError(RuntimeError):
@@ -58,11 +59,6 @@ def _check_supported(model, max_len: int) -> None:
             "sliding-window attention is not supported by GenerationEngine yet; set max_model_len <= "
             f"sliding_window ({window}) or disable the sliding window in the model config"
         )
-
-
-def named_tensors(weights: WeightsLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a state dict or an iterable of pairs."""
-    return iter(weights.items()) if isinstance(weights, Mapping) else iter(weights)
 
 
 class GenerationEngine:
@@ -84,7 +80,7 @@ class GenerationEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         config = model.config
         self.vocab_size = int(config.vocab_size)
-        self.max_len = int(self.cfg.max_model_len or config.max_position_embeddings)
+        self.max_len = int(self.cfg.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN))
         _check_supported(model, self.max_len)
         self._lm_head = model.get_output_embeddings()
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -204,6 +200,7 @@ class GenerationEngine:
                 "generate() called while asynchronous requests are pending; await them first "
                 "(or use agenerate()/astream() for these prompts too)"
             )
+        self._check_can_run()  # before queueing anything
         reqs = self._make_requests(prompts, params)
         self._waiting.extend(reqs)
         wanted = {r.request_id for r in reqs}
@@ -325,7 +322,9 @@ class GenerationEngine:
     def _record(self, first_slot: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
         """Append drawn tokens to their requests (one host sync); release the slots that finished."""
         ended = []
-        for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one device->host copy
+        for i, (tok, lp) in enumerate(zip(host[0], host[1])):
+            tok = int(tok)
             if self._active[first_slot + i].append(tok, lp, self.tokenizer):
                 ended.append(first_slot + i)
         self.num_generated_tokens += len(tokens)
@@ -541,60 +540,3 @@ class GenerationEngine:
                     params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
             self._released = {}
             self._sleeping = False
-
-
-class WeightLoad:
-    """One weight load into an engine: every tensor checked by name and shape, completeness checked at
-    the end (tied aliases count once). Made by `GenerationEngine.begin_load()`."""
-
-    def __init__(self, engine: GenerationEngine) -> None:
-        self.engine = engine
-        state = engine.model.state_dict(keep_vars=True)
-        self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-        self.seen: set[int] = set()
-        self.nbytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor, share: bool = False) -> None:
-        """Copy (or, with `share`, alias) one tensor into the engine's tensor of that name."""
-        target = self._target(name, tensor)
-        with torch.no_grad():
-            if share:
-                if tensor.dtype != target.dtype or tensor.device != target.device:
-                    raise ValueError(
-                        f"cannot share '{name}': the engine wants {target.dtype} on {target.device}, got "
-                        f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
-                    )
-                target.data = tensor.detach()
-            else:
-                target.data.copy_(tensor)
-                self.nbytes += tensor.numel() * tensor.element_size()
-        self.seen.add(id(target))
-
-    def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        target = self.targets.get(name.removeprefix("_orig_mod."))
-        if target is None:
-            raise ValueError(
-                f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
-                "same model architecture (trainer and engine model configs differ?)"
-            )
-        if type(tensor).__name__ == "DTensor":
-            raise ValueError(
-                f"weight '{name}' is a sharded DTensor; gather it first (weight_sync.iter_full_weights)"
-            )
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"weight '{name}' has shape {tuple(tensor.shape)} but the engine expects "
-                f"{tuple(target.shape)}; trainer and engine models differ"
-            )
-        return target
-
-    def finish(self, version: int) -> dict[str, float]:
-        """Check that every tensor arrived, then let the engine generate with `version`."""
-        missing = [n for n, t in self.targets.items() if id(t) not in self.seen]
-        if missing:
-            raise ValueError(
-                f"incomplete weights: {len(missing)} tensors were not sent (e.g. {missing[:3]}); the "
-                "engine refuses to generate until a load delivers the full state dict"
-            )
-        self.engine._mark_loaded(version)
-        return {"bytes": float(self.nbytes), "tensors": float(len(self.seen))}

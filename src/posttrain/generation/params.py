@@ -28,7 +28,8 @@ class GenerationConfig(Config):
     max_model_len: int | None = Field(
         None,
         ge=2,
-        description="longest prompt + completion a slot holds; None = the model's max_position_embeddings",
+        description="longest prompt + completion a slot holds (sizes the KV cache); "
+        "None = the model's max_position_embeddings, at most 4096",
     )
     max_prefill_tokens: int = Field(
         8192,

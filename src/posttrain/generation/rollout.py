@@ -14,8 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.generation.engine import GenerationEngine
-from posttrain.models.hf import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
-from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.generation.params import GenerationConfig
 from posttrain.generation.weight_sync import (
     IpcBucket,
@@ -24,6 +22,8 @@ from posttrain.generation.weight_sync import (
     WeightSyncGroup,
     receive_weights,
 )
+from posttrain.models.hf import TinyModelConfig, build_tiny_model, load_model, load_tokenizer
+from posttrain.models.tokenizer import build_char_tokenizer
 
 
 def model_parts(name: str = "tiny", seed: int = 0, tiny: TinyModelConfig | None = None) -> tuple[Any, Any]:

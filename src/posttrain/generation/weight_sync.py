@@ -33,8 +33,9 @@ from pydantic import Field
 from torch.distributed.tensor import DTensor
 
 from posttrain.config import Config
-from posttrain.generation.engine import GenerationEngine, WeightLoad
+from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.probe import ProbeBatch, ProbeConfig, check_probe, probe_metrics
+from posttrain.generation.weights import WeightLoad
 from posttrain.logging import get_logger
 from posttrain.parallel.mesh import free_port
 
@@ -233,6 +234,29 @@ def broadcast_weights(
     if group is not None:
         group.broadcast_object(BucketHeader(version=version, final=True))
     return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - start}
+
+
+_SENDER_GROUPS: dict[SyncGroupInfo, WeightSyncGroup] = {}
+
+
+@dataclass(frozen=True)
+class BroadcastSink:
+    """A picklable sender to hand to a trainer worker (`sink(iter_full_weights(model), rank)` on every
+    rank): rank 0 joins the group as its sender (once per process, then reused) and broadcasts; the
+    other ranks only walk the iterator, taking part in the FSDP gathers. Weights then go from the
+    trainer's process straight to the engines, not through the driver."""
+
+    info: SyncGroupInfo
+    version: int
+    bucket_bytes: int
+
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]], rank: int) -> dict[str, float]:
+        group = None
+        if rank == 0:
+            group = _SENDER_GROUPS.get(self.info)
+            if group is None:
+                group = _SENDER_GROUPS[self.info] = WeightSyncGroup(self.info, 0)
+        return broadcast_weights(group, weights, self.version, self.bucket_bytes)
 
 
 def receive_weights(group: WeightSyncGroup, engine: GenerationEngine) -> dict[str, float]:

@@ -1,0 +1,192 @@
+"""Generation throughput of `GenerationEngine` vs `transformers` `generate`, and weight-sync speed.
+
+Same model, prompts, lengths and sampling for both: a tiny Llama (hidden 256, 4 layers, 4 heads,
+2 KV heads, MLP 512) with a 32000-token vocabulary (Llama/Mistral size), batch 64, prompts of 24-40
+tokens (mixed lengths), 64 new tokens, temperature 1.0 without top-k/top-p (the RL setting), no stop
+token. The two are run interleaved, repeated, and the medians compared. Without --quick an INFO line
+gives the same comparison with the 79-token character vocabulary of the built-in tasks.
+
+Weight sync: seconds per GB of fp32 parameters, in-process (`load_weights`) and to an engine in a
+spawned process over a gloo `WeightSyncGroup` (64 MiB buckets, timed until the engine has loaded).
+
+    python benchmarks/generation.py [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from transformers import GenerationConfig as HFGenerationConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import median, result_line  # noqa: E402
+
+from posttrain.generation.engine import GenerationEngine  # noqa: E402
+from posttrain.generation.params import GenerationConfig, SamplingParams  # noqa: E402
+from posttrain.models.hf import build_tiny_model  # noqa: E402
+
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+BATCH, NEW_TOKENS = 64, 64
+
+
+def make_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(24, 41, (BATCH,), generator=g)
+    return [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    """transformers generate on the left-padded batch, sampling at temperature 1, exactly `new_tokens`."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    cfg = HFGenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+    def run() -> int:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)
+        assert out.shape[1] == width + new_tokens
+        return len(prompts) * new_tokens
+
+    return run
+
+
+def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    engine = GenerationEngine(model, None, GenerationConfig(max_num_seqs=BATCH, max_model_len=128))
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0, stop_at_eos=False)
+
+    def run() -> int:
+        results = engine.generate(prompts, params)
+        assert all(len(r.token_ids) == new_tokens for r in results)
+        return sum(len(r.token_ids) for r in results)
+
+    return run
+
+
+def throughput(vocab: int, repeats: int) -> tuple[float, float, float]:
+    """Median tokens/s of the engine and of transformers (interleaved runs) and the median ratio."""
+    model = build_tiny_model(vocab, seed=0, **SHAPE).eval()
+    prompts = make_prompts(vocab)
+    ours, ref = engine_runner(model, prompts), hf_runner(model, prompts)
+    engine_runner(model, prompts, 2)(), hf_runner(model, prompts, 2)()  # warm-up (first-call costs)
+    t_ours, t_ref = [], []
+    for _ in range(repeats):
+        for fn, times in ((ref, t_ref), (ours, t_ours)):
+            t0 = time.perf_counter()
+            n = fn()
+            times.append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(t_ref, t_ours)]
+    return n / median(t_ours), n / median(t_ref), median(ratios)
+
+
+# ---------------------------------------------------------------------------- weight sync
+
+
+def sync_in_process(vocab: int, repeats: int) -> float:
+    """Seconds per GB of `engine.load_weights(state_dict)`."""
+    state = build_tiny_model(vocab, seed=1, **SHAPE).state_dict()
+    engine = GenerationEngine(build_tiny_model(vocab, seed=0, **SHAPE))
+    gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+    times = []
+    for v in range(repeats + 1):
+        t0 = time.perf_counter()
+        engine.load_weights(state, version=v)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:]) / gb
+
+
+def _receiver(info, vocab: int, rounds: int, conn) -> None:
+    from posttrain.generation.rollout import RolloutEngine
+
+    torch.set_num_threads(1)
+    engine = RolloutEngine(lambda: (build_tiny_model(vocab, seed=0, **SHAPE), None))
+    engine.join_weight_group(info, 1)
+    for _ in range(rounds):
+        engine.receive_weights()
+        conn.send(engine.weight_version)
+
+
+def sync_across_processes(vocab: int, repeats: int) -> float:
+    """Seconds per GB from the first byte sent to the remote engine having loaded everything."""
+    from posttrain.generation.weight_sync import (
+        WeightSyncConfig,
+        WeightSyncGroup,
+        broadcast_weights,
+        new_group_info,
+    )
+
+    cfg = WeightSyncConfig(backend="gloo", bucket_mb=64, timeout_s=120)
+    state = build_tiny_model(vocab, seed=1, **SHAPE).state_dict()
+    gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+    info = new_group_info(1, cfg)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(info, vocab, repeats + 1, child), daemon=True)
+    proc.start()
+    group = WeightSyncGroup(info, 0)
+    times = []
+    try:
+        for v in range(repeats + 1):
+            t0 = time.perf_counter()
+            broadcast_weights(group, state.items(), v, cfg.bucket_bytes)
+            assert parent.recv() == v
+            times.append(time.perf_counter() - t0)
+    finally:
+        proc.join(timeout=60)
+    return median(times[1:]) / gb
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (< 1 minute)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else 5
+    vocab = 32000
+    print(f"model: tiny llama {SHAPE}, vocab {vocab}; batch {BATCH}, prompts 24-40, {NEW_TOKENS} new tokens")
+    print(f"threads {args.threads}, repeats {repeats} (interleaved), medians")
+    ours, ref, ratio = throughput(vocab, repeats)
+    print(f"engine        {ours:10.1f} tok/s")
+    print(f"transformers  {ref:10.1f} tok/s")
+    print(f"ratio (median of paired runs) {ratio:.2f}x")
+    if not args.quick:
+        small_ours, small_ref, small_ratio = throughput(79, repeats)
+        print(
+            f"INFO char vocab (79): engine {small_ours:.1f} tok/s, transformers {small_ref:.1f} tok/s, "
+            f"ratio {small_ratio:.2f}x"
+        )
+    local = sync_in_process(vocab, repeats)
+    remote = sync_across_processes(vocab, 1 if args.quick else repeats)
+    print(f"weight sync in-process          {local:.3f} s/GB")
+    print(f"weight sync across processes    {remote:.3f} s/GB (gloo, 64 MiB buckets)")
+    print(result_line("gen_speedup_vs_hf", ratio, ">=3"))
+    print(result_line("weight_sync_inprocess_s_per_gb", local, "<=2"))
+    print(result_line("weight_sync_xproc_s_per_gb", remote, "<=20"))
+
+
+if __name__ == "__main__":
+    main()
