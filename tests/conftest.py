@@ -11,6 +11,9 @@ from posttrain.data.batch import make_batch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# One intra-op thread: tiny tensors on a shared 2-core machine otherwise stall on OpenMP barriers
+# (several test files ran 5-20x slower with two threads).
+torch.set_num_threads(1)
 
 
 def random_batch(

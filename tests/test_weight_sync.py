@@ -20,7 +20,6 @@ from posttrain.generation.weight_sync import (
     WeightSync,
     WeightSyncConfig,
     broadcast_weights,
-    iter_full_weights,
     new_group_info,
     pack_bucket,
     plan_buckets,
@@ -29,9 +28,7 @@ from posttrain.generation.weight_sync import (
 )
 from posttrain.models.hf import build_tiny_model
 from posttrain.models.tokenizer import build_char_tokenizer
-from posttrain.policy.lifecycle import ON_DEVICE, verb
 from posttrain.policy.policy import Policy
-from posttrain.policy.worker import PolicyWorker
 
 TOK = build_char_tokenizer()
 VOCAB = len(TOK)
@@ -210,29 +207,16 @@ def test_sync_to_ray_engine_over_gloo_in_buckets(ray_session):
         policy.shutdown()
 
 
-class SendingWorker(PolicyWorker):
-    """The worker verb this test proposes for policy/worker.py: hand the full weights to a sink."""
-
-    @verb(*ON_DEVICE, collective=True)
-    def send_weights(self, sink, version: int) -> dict[str, float]:
-        return sink(iter_full_weights(self.model), self.rank)
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_trainer_actor_sends_straight_to_engine_actor(ray_session):
     """Two trainer ranks (FSDP2 over gloo) and one engine, each a Ray actor; rank 0 broadcasts to the
     engine over the sync group while both ranks gather shards (nothing goes through the driver)."""
-    import sys
-
-    from ray import cloudpickle
-
     from posttrain.generation.rollout import RolloutEngine
     from posttrain.generation.weight_sync import BroadcastSink
 
     ray = ray_session
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship SendingWorker to the actors
-    policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 2}), worker_cls=SendingWorker)
+    policy = Policy(policy_cfg(cluster={"backend": "ray", "num_workers": 2}))
     engine = ray.remote(num_cpus=1)(RolloutEngine).remote(functools.partial(model_parts, "tiny", 77))
     cfg = WeightSyncConfig(bucket_mb=0.1, timeout_s=60)
     info = new_group_info(1, cfg)
@@ -253,7 +237,6 @@ def test_trainer_actor_sends_straight_to_engine_actor(ray_session):
     finally:
         ray.kill(engine)
         policy.shutdown()
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 # ---------------------------------------------------------------------------- GPU only

@@ -199,6 +199,11 @@ class Policy:
         """Write the current weights as a Hugging Face directory loadable by from_pretrained."""
         self.group.run("save_hf", out_dir)
 
+    @verb(*ON_DEVICE, collective=True)
+    def send_weights(self, sink, version: int) -> list[dict[str, float]]:
+        """Every rank streams the full weights into `sink` (see PolicyWorker.send_weights)."""
+        return self.group.run("send_weights", sink, version)
+
     def shutdown(self) -> None:
         self.group.shutdown()
 

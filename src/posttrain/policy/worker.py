@@ -452,6 +452,16 @@ class PolicyWorker:
         return stats
 
     @verb(*ON_DEVICE, collective=True)
+    def send_weights(self, sink, version: int) -> dict[str, float]:
+        """Stream the full weights, one gathered tensor at a time, into `sink(named_tensors, rank)`
+        (e.g. generation.weight_sync.BroadcastSink): rank 0 sends straight to the engines, not through
+        the driver. Collective under FSDP (every rank gathers)."""
+        weights = (
+            (n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in self.model.state_dict().items()
+        )
+        return sink(weights, self.rank)
+
+    @verb(*ON_DEVICE, collective=True)
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (safetensors, config, tokenizer) from rank 0."""
         state = self.full_state_dict()

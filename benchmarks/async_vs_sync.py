@@ -1,0 +1,172 @@
+"""Wall-clock of synchronous vs asynchronous GRPO for the same number of trained samples.
+
+The same run three ways, interleaved and repeated (medians): the synchronous loop (grpo.py: generate,
+score, logprobs, train, weight sync, in turn) and the asynchronous one (async_grpo_run.py) at
+max_staleness 1 and 2. The asynchronous trainer runs in this process and its single rollout engine in
+a Ray actor, so generation and training can use one core each; every process uses one torch thread.
+The synchronous loop runs in this process with one torch thread too (on this tiny model a second
+thread does not help it: see RESULTS.md).
+
+Sizes are picked so that the synchronous loop spends about as long generating as training (the
+script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers), 16 prompts x 8
+completions per step of 32 new tokens (a random model rarely stops early), arithmetic prompts,
+rewards computed but (random model) all zero, which changes no timing. Timed: the training loop only
+(model, engine and actor start-up excluded for both); the asynchronous time also includes filling the
+pipeline, the initial weight push and cancelling the requests in flight at the end.
+
+    python benchmarks/async_vs_sync.py [--quick] [--steps N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import median, result_line  # noqa: E402
+
+from posttrain.algorithms import grpo  # noqa: E402
+from posttrain.algorithms.async_grpo_run import (  # noqa: E402
+    AsyncGRPORunConfig,
+    close,
+    setup,
+    sync_equivalent,
+    train,
+)
+from posttrain.config import build_config  # noqa: E402
+from posttrain.logging import MetricsLogger, read_metrics  # noqa: E402
+from posttrain.parallel.cluster import ensure_ray  # noqa: E402
+
+PROMPTS, GENERATIONS = 16, 8
+SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
+PHASES = ("generation", "reward", "logprobs", "training", "weight_sync")
+
+
+def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPORunConfig:
+    return build_config(
+        AsyncGRPORunConfig,
+        {
+            "policy": {
+                "model": {"tiny": SHAPE},
+                "train_global_batch_size": PROMPTS * GENERATIONS,
+                "microbatch": {"train_micro_batch_size": 32, "logprob_micro_batch_size": 64},
+                "optimizer": {"lr": 1e-4},
+                "init_reference_model": False,
+            },
+            "generation": {"max_num_seqs": PROMPTS * GENERATIONS},
+            "sampling": {"max_new_tokens": new_tokens, "temperature": 1.0},
+            "grpo": {"num_generations_per_prompt": GENERATIONS, "val_period": 0, "val_at_start": False},
+            "async_grpo": {
+                "num_steps": steps,
+                "target_prompt_groups_per_step": PROMPTS,
+                "max_staleness": staleness,
+                "max_in_flight_per_worker": PROMPTS,  # the engine batches a whole step, like the sync loop
+            },
+            "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1},
+            "checkpointing": {"enabled": False, "resume": "never"},
+            "logging": {"progress_bar": False},
+            "output_dir": out,
+        },
+    )
+
+
+def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
+    """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo)."""
+    sync_cfg = sync_equivalent(cfg)
+    run = grpo.setup(sync_cfg, None)
+    phases: dict[str, list[float]] = {p: [] for p in PHASES}
+    t0 = time.perf_counter()
+    for _ in range(sync_cfg.grpo.max_num_steps):
+        run.step += 1
+        metrics = grpo.grpo_step(run)
+        for p in PHASES:
+            phases[p].append(metrics[f"timing/{p}_s"])
+    total = time.perf_counter() - t0
+    run.policy.shutdown()
+    return {"total_s": total} | {f"{p}_s": statistics.median(v) for p, v in phases.items()}
+
+
+def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
+    """The asynchronous loop (setup, i.e. policy, engine actor and its model, not timed)."""
+    run = setup(cfg)
+    log = MetricsLogger(cfg.output_dir)
+    try:
+        t0 = time.perf_counter()
+        summary = asyncio.run(train(run, log))
+        total = time.perf_counter() - t0
+    finally:
+        log.close()
+        close(run)
+    steps = [r for r in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if "train/loss" in r]
+    assert summary.steps == cfg.async_grpo.num_steps, summary
+    return {
+        "total_s": total,
+        "step_s": statistics.median(r["step_time_s"] for r in steps),
+        "trainer_idle": statistics.median(r["trainer_idle_fraction"] for r in steps),
+        "generation_idle": statistics.median(r["generation_idle_fraction"] for r in steps),
+        "staleness_mean": statistics.mean(r["staleness/mean"] for r in steps),
+        "dropped_stale": float(summary.totals["dropped_stale"]),
+        "generated": float(summary.totals["generated_samples"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer steps and one repeat (< 1 minute)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; quick 4)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; quick 1)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="completion length (sets gen vs train)")
+    args = ap.parse_args()
+    steps = args.steps or (4 if args.quick else 12)
+    repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(1)
+    ensure_ray(num_cpus=4)
+    tmp = tempfile.mkdtemp(prefix="async_vs_sync_")
+    kinds = {"sync": 0, "async_s1": 1, "async_s2": 2}
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    time_sync(make_cfg(f"{tmp}/warmup", 1, 0, args.new_tokens))  # first-call costs out of the timings
+    for rep in range(repeats):
+        order = list(kinds)[rep % 3 :] + list(kinds)[: rep % 3]  # rotate who goes first
+        for kind in order:
+            cfg = make_cfg(f"{tmp}/{kind}_{rep}", steps, kinds[kind], args.new_tokens)
+            results[kind].append(time_sync(cfg) if kind == "sync" else time_async(cfg))
+            print(f"  repeat {rep} {kind:9s} {results[kind][-1]['total_s']:7.2f} s", flush=True)
+
+    def med(kind: str, key: str) -> float:
+        return median([r[key] for r in results[kind]])
+
+    samples = steps * PROMPTS * GENERATIONS
+    print(
+        f"\n{steps} steps x {PROMPTS} prompts x {GENERATIONS} completions = {samples} trained samples; "
+        f"model {SHAPE}, {args.new_tokens} new tokens; {repeats} repeat(s), medians"
+    )
+    phase = {p: med("sync", f"{p}_s") for p in PHASES}
+    train_side = phase["logprobs"] + phase["training"] + phase["weight_sync"]
+    print(
+        "sync per-step phases: "
+        + ", ".join(f"{p} {v:.3f} s" for p, v in phase.items())
+        + f"  (generation+reward {phase['generation'] + phase['reward']:.3f} s vs "
+        f"logprobs+training+sync {train_side:.3f} s)"
+    )
+    print(f"sync          total {med('sync', 'total_s'):7.2f} s")
+    for kind in ("async_s1", "async_s2"):
+        print(
+            f"{kind:13s} total {med(kind, 'total_s'):7.2f} s  step {med(kind, 'step_s'):.3f} s  "
+            f"trainer idle {med(kind, 'trainer_idle'):.2f}  generation idle {med(kind, 'generation_idle'):.2f}  "
+            f"mean lag {med(kind, 'staleness_mean'):.2f}  dropped stale {med(kind, 'dropped_stale'):.0f}  "
+            f"generated {med(kind, 'generated'):.0f} samples"
+        )
+    sync_total = med("sync", "total_s")
+    print(result_line("async_speedup_staleness1", sync_total / med("async_s1", "total_s"), ">=1.6"))
+    print(result_line("async_speedup_staleness2", sync_total / med("async_s2", "total_s"), ">=1.6"))
+
+
+if __name__ == "__main__":
+    main()
