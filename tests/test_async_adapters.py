@@ -167,7 +167,7 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
         actor_cls.remote("r1", latency=0.02, **fail),
         actor_cls.remote("r2", latency=0.03, **fail),
     ]
-    ray.get([a.__ray_ready__.remote() for a in actors], timeout=30)
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=180)  # actor start-up on a loaded 2-core box
     workers = [RayRolloutWorker(a, name=f"r{i}") for i, a in enumerate(actors)]
     trainer = FakeTrainer(finish_latency=0.05)
 
