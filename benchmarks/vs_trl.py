@@ -10,7 +10,9 @@ processes in lockstep. Both start up, meet at a barrier, then take turns one ste
 posttrain step has a TRL neighbour under the same background load; start-up is excluded. A step is
 timed by wall clock around the whole step on both sides (posttrain: `grpo_step`, i.e. generate, score,
 advantages, logprobs, train, weight sync; TRL: `on_step_begin` to `on_step_end`, i.e. generate, score,
-train). Seeds alternate which side goes first. Medians over all steps but each run's first.
+train). Seeds alternate which side goes first. Medians over all steps but each run's first. Every
+process uses one intra-op thread by default (`--threads`): with two on a shared 2-core machine,
+OpenMP barrier stalls dominate the tiny model's ops, on both sides alike.
 
 Accuracy: each final model is saved and evaluated by the same code here, greedy decoding of the
 held-out arithmetic prompts with HF `generate`; the mean over seeds is reported.
@@ -275,14 +277,19 @@ SIDES = ("posttrain", "trl")
 TRAIN = {"posttrain": train_posttrain, "trl": train_trl}
 
 
-def _side_main(side: str, s: Setting, init: Path, out: Path, seed: int, gate: Lockstep, results) -> None:
+def _side_main(
+    side: str, s: Setting, init: Path, out: Path, seed: int, gate: Lockstep, threads: int, results
+) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     gate.me = SIDES.index(side)
     result = TRAIN[side](s, init, out, seed, gate)
     results[side] = {**result, "process_s": time.perf_counter() - t0}
 
 
-def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str) -> dict[str, dict]:
+def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str, threads: int = 1) -> dict[str, dict]:
     """One posttrain and one TRL run with `seed`, in lockstep; `first` takes the first step."""
     ctx = mp.get_context("spawn")
     gate = Lockstep(ctx, SIDES.index(first))
@@ -290,7 +297,8 @@ def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str) -> dict[
         results = manager.dict()
         procs = [
             ctx.Process(
-                target=_side_main, args=(side, s, init, root / f"{side}_seed{seed}", seed, gate, results)
+                target=_side_main,
+                args=(side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results),
             )
             for side in SIDES
         ]
@@ -343,7 +351,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny setting, under a minute")
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every process")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     s = QUICK if args.quick else FULL
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     accs: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -356,7 +368,7 @@ def main() -> None:
             f"warm start: {s.sft_steps} SFT steps in {time.perf_counter() - t0:.1f}s, heldout_acc={acc0:.3f}"
         )
         for i, seed in enumerate(s.seeds):
-            results = run_pair(s, init, root, seed, first=SIDES[i % 2])
+            results = run_pair(s, init, root, seed, first=SIDES[i % 2], threads=args.threads)
             for side in SIDES:
                 r = results[side]
                 acc = heldout_accuracy(root / f"{side}_seed{seed}" / "final", s.max_new_tokens)
@@ -372,7 +384,7 @@ def main() -> None:
     acc_ours, acc_trl = (sum(accs[side]) / len(accs[side]) for side in SIDES)
     print(
         f"setting: {s.prompts_per_step} prompts x {s.generations} generations, {s.max_new_tokens} new tokens, "
-        f"lr {s.lr}, {s.steps} steps, seeds {list(s.seeds)}"
+        f"lr {s.lr}, {s.steps} steps, seeds {list(s.seeds)}, {args.threads} thread(s) per process"
     )
     print(f"seconds/step median: posttrain {ours:.3f}  trl {trl:.3f}  speedup {trl / ours:.2f}x")
     print(

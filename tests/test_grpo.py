@@ -139,3 +139,24 @@ def test_reward_errors_stop_the_run_when_configured(tmp_path, flaky_reward_modul
 def test_unknown_reward_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no_such_module"):
         run_grpo(small_cfg(tmp_path, "task.reward_fn=no_such_module:reward"))
+
+
+def test_skipping_the_on_policy_prev_logprob_pass_does_not_change_training(tmp_path):
+    """With one optimizer step per batch the PPO ratio is 1 by construction: skipping the extra trainer
+    forward (recompute_prev_logprobs=auto) trains exactly like computing it (always)."""
+    runs = {}
+    for mode in ("auto", "always"):
+        cfg = small_cfg(
+            tmp_path / mode,
+            f"grpo.recompute_prev_logprobs={mode}",
+            "grpo.max_num_steps=2",
+            "checkpointing.save_period=2",
+            "grpo.val_period=0",
+            "grpo.val_at_start=false",
+        )
+        run_grpo(cfg)
+        runs[mode] = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/loss" in r]
+    for a, b in zip(runs["auto"], runs["always"]):
+        assert a["reward"] == b["reward"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)

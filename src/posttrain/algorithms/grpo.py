@@ -14,7 +14,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -60,6 +60,12 @@ class GRPOLoopConfig(Config):
     val_at_start: bool = True
     val_num_generations: int = Field(1, ge=1, description="k of pass@k (k=1: greedy accuracy)")
     val_max_prompts: int | None = Field(None, ge=1)
+    recompute_prev_logprobs: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto: skip the extra trainer forward when the step is one on-policy optimizer step "
+        "without importance-sampling correction (the PPO ratio is then exactly 1: the loss uses "
+        "force_on_policy_ratio, as TRL does with num_iterations=1); always: compute prev_logprobs",
+    )
     seed: int = 0
 
 
@@ -204,9 +210,16 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     gen_cfg = cfg.generation
     if gen_cfg.device is None:  # generate where the trainer trains (the GPU when there is one)
         gen_cfg = gen_cfg.model_copy(update={"device": str(default_device())})
+    if gen_cfg.max_model_len is None:  # the KV cache never needs more than the longest prompt + completion
+        longest = max(
+            len(it.prompt_token_ids) for ds in (task.train, task.eval) if ds is not None for it in ds
+        )
+        gen_cfg = gen_cfg.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
     sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.cluster.num_workers)
     run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
+    if skips_prev_logprobs(cfg):
+        run.loss_fn = ClippedPGLoss(cfg.loss.model_copy(update={"force_on_policy_ratio": True}))
     sync_weights(run)
     return run
 
@@ -354,10 +367,25 @@ def samples_to_batch(
     return batch, metrics
 
 
+def skips_prev_logprobs(cfg: GRPOConfig) -> bool:
+    """Whether prev_logprobs equal the training-time logprobs by construction (see recompute_prev_logprobs)."""
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    one_step = samples <= cfg.policy.train_global_batch_size
+    return (
+        cfg.grpo.recompute_prev_logprobs == "auto"
+        and one_step
+        and not cfg.loss.use_importance_sampling_correction
+    )
+
+
 def add_logprobs(run: Run, batch) -> None:
-    """prev_logprobs from the current weights; reference logprobs when the KL term is on."""
+    """prev_logprobs from the current weights (unless on-policy by construction, then the generation
+    logprobs stand in for the metrics); reference logprobs when the KL term is on."""
     run.policy.prepare_for_lp_inference()
-    batch["prev_logprobs"] = run.policy.get_logprobs(batch)
+    if skips_prev_logprobs(run.cfg):
+        batch["prev_logprobs"] = batch["generation_logprobs"].clone()
+    else:
+        batch["prev_logprobs"] = run.policy.get_logprobs(batch)
     if run.cfg.loss.reference_policy_kl_penalty > 0:
         batch["reference_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
     else:

@@ -434,7 +434,8 @@ class GenerationEngine:
             [list(s) + [self.pad_token_id] * (width - len(s)) for s in chunk], device=self.device
         )
         lengths = torch.tensor([len(s) for s in chunk], device=self.device)
-        valid = self._arange[:width][None, :] < lengths[:, None]
+        # not self._arange: scoring is not bound by the KV cache's max_model_len
+        valid = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
         lp = token_logprobs(logits[:, :-1].float() / temperature, ids[:, 1:])
         return (torch.nn.functional.pad(lp, (1, 0)) * valid).cpu()
