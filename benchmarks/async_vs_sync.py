@@ -9,7 +9,8 @@ thread does not help it: see RESULTS.md).
 
 Sizes are picked so that the synchronous loop spends about as long generating as training (the
 script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers), 16 prompts x 8
-completions per step of 32 new tokens (a random model rarely stops early), arithmetic prompts,
+completions per step of 32 new tokens (a random model rarely stops early), an engine that decodes 64
+sequences at a time (two waves per step), training micro-batches of 32 rows, arithmetic prompts,
 rewards computed but (random model) all zero, which changes no timing. Timed: the training loop only
 (model, engine and actor start-up excluded for both); the asynchronous time also includes filling the
 pipeline, the initial weight push and cancelling the requests in flight at the end.
@@ -40,11 +41,13 @@ from posttrain.algorithms.async_grpo_run import (  # noqa: E402
     sync_equivalent,
     train,
 )
+from posttrain.algorithms.losses import ClippedPGConfig  # noqa: E402
 from posttrain.config import build_config  # noqa: E402
 from posttrain.logging import MetricsLogger, read_metrics  # noqa: E402
 from posttrain.parallel.cluster import ensure_ray  # noqa: E402
 
 PROMPTS, GENERATIONS = 16, 8
+ENGINE_SEQS = 64  # sequences the engine decodes at once: a step's 128 completions take two waves
 SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
 PHASES = ("generation", "reward", "logprobs", "training", "weight_sync")
 
@@ -60,14 +63,14 @@ def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPO
                 "optimizer": {"lr": 1e-4},
                 "init_reference_model": False,
             },
-            "generation": {"max_num_seqs": PROMPTS * GENERATIONS},
+            "generation": {"max_num_seqs": ENGINE_SEQS},
             "sampling": {"max_new_tokens": new_tokens, "temperature": 1.0},
             "grpo": {"num_generations_per_prompt": GENERATIONS, "val_period": 0, "val_at_start": False},
             "async_grpo": {
                 "num_steps": steps,
                 "target_prompt_groups_per_step": PROMPTS,
                 "max_staleness": staleness,
-                "max_in_flight_per_worker": PROMPTS,  # the engine batches a whole step, like the sync loop
+                "max_in_flight_per_worker": ENGINE_SEQS // GENERATIONS,  # groups the engine holds at once
             },
             "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1},
             "checkpointing": {"enabled": False, "resume": "never"},
@@ -77,30 +80,60 @@ def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPO
     )
 
 
+SPIN = (
+    "import time\n"
+    "t0, c0 = time.perf_counter(), time.process_time()\n"
+    "while time.perf_counter() - t0 < {seconds}:\n"
+    "    pass\n"
+    "print(time.process_time() - c0)\n"
+)
+
+
+def parallel_capacity(seconds: float) -> tuple[float, float]:
+    """Cores this machine gives one busy process, and two busy processes together, right now."""
+    import subprocess
+
+    out = []
+    for n in (1, 2):
+        cmd = [sys.executable, "-c", SPIN.format(seconds=seconds)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        cpu = sum(float(pr.communicate(timeout=seconds + 60)[0]) for pr in procs)
+        out.append(cpu / seconds)
+    return out[0], out[1]
+
+
 def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
-    """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo)."""
-    sync_cfg = sync_equivalent(cfg)
+    """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo), with
+    its own default loss: on-policy, no importance sampling, so it skips the prev-logprob pass."""
+    sync_cfg = sync_equivalent(cfg).model_copy(update={"loss": ClippedPGConfig()})
     run = grpo.setup(sync_cfg, None)
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(sync_cfg.grpo.max_num_steps):
         run.step += 1
         metrics = grpo.grpo_step(run)
         for p in PHASES:
             phases[p].append(metrics[f"timing/{p}_s"])
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     run.policy.shutdown()
-    return {"total_s": total} | {f"{p}_s": statistics.median(v) for p, v in phases.items()}
+    out = {"total_s": total, "cores_used": cpu / total}
+    return out | {f"{p}_s": statistics.median(v) for p, v in phases.items()}
 
 
 def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     """The asynchronous loop (setup, i.e. policy, engine actor and its model, not timed)."""
+    import ray
+
     run = setup(cfg)
     log = MetricsLogger(cfg.output_dir)
+
+    def actor_cpu() -> float:
+        return ray.get(run.actors[0].__ray_call__.remote(lambda _: time.process_time()), timeout=60)
+
     try:
-        t0 = time.perf_counter()
+        a0, c0, t0 = actor_cpu(), time.process_time(), time.perf_counter()
         summary = asyncio.run(train(run, log))
-        total = time.perf_counter() - t0
+        total, cpu, a_cpu = time.perf_counter() - t0, time.process_time() - c0, actor_cpu() - a0
     finally:
         log.close()
         close(run)
@@ -108,6 +141,9 @@ def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     assert summary.steps == cfg.async_grpo.num_steps, summary
     return {
         "total_s": total,
+        "cores_used": (cpu + a_cpu) / total,
+        "trainer_cpu_s": cpu,
+        "rollout_cpu_s": a_cpu,
         "step_s": statistics.median(r["step_time_s"] for r in steps),
         "trainer_idle": statistics.median(r["trainer_idle_fraction"] for r in steps),
         "generation_idle": statistics.median(r["generation_idle_fraction"] for r in steps),
@@ -119,7 +155,7 @@ def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer steps and one repeat (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="4 steps, one repeat, no warm-up (< 1 minute)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; quick 1)")
     ap.add_argument("--new-tokens", type=int, default=32, help="completion length (sets gen vs train)")
@@ -131,13 +167,18 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="async_vs_sync_")
     kinds = {"sync": 0, "async_s1": 1, "async_s2": 2}
     results: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-    time_sync(make_cfg(f"{tmp}/warmup", 1, 0, args.new_tokens))  # first-call costs out of the timings
+    if not args.quick:
+        time_sync(make_cfg(f"{tmp}/warmup", 1, 0, args.new_tokens))  # first-call costs out of the timings
+    spin_s = 0.5 if args.quick else 2.0
+    capacity = [parallel_capacity(spin_s)]
     for rep in range(repeats):
         order = list(kinds)[rep % 3 :] + list(kinds)[: rep % 3]  # rotate who goes first
         for kind in order:
             cfg = make_cfg(f"{tmp}/{kind}_{rep}", steps, kinds[kind], args.new_tokens)
             results[kind].append(time_sync(cfg) if kind == "sync" else time_async(cfg))
             print(f"  repeat {rep} {kind:9s} {results[kind][-1]['total_s']:7.2f} s", flush=True)
+    if not args.quick:
+        capacity.append(parallel_capacity(spin_s))
 
     def med(kind: str, key: str) -> float:
         return median([r[key] for r in results[kind]])
@@ -145,7 +186,7 @@ def main() -> None:
     samples = steps * PROMPTS * GENERATIONS
     print(
         f"\n{steps} steps x {PROMPTS} prompts x {GENERATIONS} completions = {samples} trained samples; "
-        f"model {SHAPE}, {args.new_tokens} new tokens; {repeats} repeat(s), medians"
+        f"model {SHAPE}, {args.new_tokens} new tokens, engine batch {ENGINE_SEQS}; {repeats} repeat(s), medians"
     )
     phase = {p: med("sync", f"{p}_s") for p in PHASES}
     train_side = phase["logprobs"] + phase["training"] + phase["weight_sync"]
@@ -155,13 +196,28 @@ def main() -> None:
         + f"  (generation+reward {phase['generation'] + phase['reward']:.3f} s vs "
         f"logprobs+training+sync {train_side:.3f} s)"
     )
-    print(f"sync          total {med('sync', 'total_s'):7.2f} s")
+    print(f"sync          total {med('sync', 'total_s'):7.2f} s  cores used {med('sync', 'cores_used'):.2f}")
     for kind in ("async_s1", "async_s2"):
         print(
             f"{kind:13s} total {med(kind, 'total_s'):7.2f} s  step {med(kind, 'step_s'):.3f} s  "
             f"trainer idle {med(kind, 'trainer_idle'):.2f}  generation idle {med(kind, 'generation_idle'):.2f}  "
             f"mean lag {med(kind, 'staleness_mean'):.2f}  dropped stale {med(kind, 'dropped_stale'):.0f}  "
-            f"generated {med(kind, 'generated'):.0f} samples"
+            f"generated {med(kind, 'generated'):.0f} samples\n"
+            f"{'':13s} cores used {med(kind, 'cores_used'):.2f} (CPU s: trainer process "
+            f"{med(kind, 'trainer_cpu_s'):.2f}, rollout actor {med(kind, 'rollout_cpu_s'):.2f})"
+        )
+    one, two = (median([c[i] for c in capacity]) for i in (0, 1))
+    print(
+        f"machine right now: one busy process gets {one:.2f} cores, two busy processes get {two:.2f} "
+        f"together (spin test{'' if args.quick else ', before and after the runs'}); the overlap can "
+        f"gain at most ~{two / one:.2f}x here"
+    )
+    for kind in ("async_s1", "async_s2"):
+        bound = max(med(kind, "trainer_cpu_s"), med(kind, "rollout_cpu_s"))
+        sync_cpu = med("sync", "total_s") * med("sync", "cores_used")
+        print(
+            f"{kind}: with a free core per process the wall time would tend to the busier process's CPU "
+            f"time, {bound:.2f} s (sync needs {sync_cpu:.2f} CPU s): bound ~{sync_cpu / bound:.2f}x"
         )
     sync_total = med("sync", "total_s")
     print(result_line("async_speedup_staleness1", sync_total / med("async_s1", "total_s"), ">=1.6"))

@@ -7,38 +7,40 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+from types import SimpleNamespace
 
 import pytest
-import torch
 
+from posttrain.algorithms.async_engine_worker import (
+    EngineRolloutWorker,
+    GroupSamples,
+    WeightsPayload,
+    probe_sync,
+)
 from posttrain.algorithms.async_grpo_run import (
     AsyncGRPORunConfig,
-    EngineRolloutWorker,
-    WeightsPayload,
+    StepStats,
     close,
-    probe_sync,
+    groups_to_batch,
+    prepare_samples,
     run_async_grpo,
     setup,
     sync_equivalent,
     train,
     trained_prompt_ids,
 )
+from posttrain.algorithms.async_types import RolloutFailure
 from posttrain.algorithms.grpo import run_grpo
 from posttrain.algorithms.sft import SFTConfig, run_sft
-from posttrain.algorithms.staleness import GroupState
+from posttrain.algorithms.staleness import BufferedGroup, GroupState
 from posttrain.config import ConfigError, apply_overrides, build_config
+from posttrain.generation.params import GenerationResult
 from posttrain.generation.probe import WeightSyncError
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.policy.policy import Policy
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread per process is much faster."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+from posttrain.tasks.build import build_task
+from posttrain.tasks.rewards import RewardError
 
 
 def small_cfg(out, *overrides: str) -> AsyncGRPORunConfig:
@@ -80,11 +82,11 @@ def test_settings_of_the_synchronous_step_are_refused_with_the_fix(tmp_path):
 
 
 def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
-    cfg = small_cfg(tmp_path)
+    cfg = sync_equivalent(small_cfg(tmp_path))
     policy = Policy(cfg.policy)
     worker = EngineRolloutWorker.build(cfg, "w")
     sync = probe_sync(cfg, worker.engine.vocab_size)
-    prompt = worker._score_view.task.train.items[0]
+    prompt = worker.task.train.items[0]
 
     def payload(version: int, probe=None) -> WeightsPayload:
         probe = sync.trainer_probe(policy) if probe is None else probe
@@ -104,6 +106,73 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
 
     asyncio.run(asyncio.wait_for(body(), 60))
     policy.shutdown()
+
+
+@pytest.fixture
+def flaky_reward(tmp_path, monkeypatch):
+    """A reward module: raises for prompts with an even answer, 1.0 for the others."""
+    (tmp_path / "flaky_async_reward.py").write_text(
+        "def reward(prompts, completions, metadata):\n"
+        "    if any(int(m['answer']) % 2 == 0 for m in metadata):\n"
+        "        raise RuntimeError('verifier down')\n"
+        "    return [1.0] * len(completions)\n"
+        "def always_fails(prompts, completions, metadata):\n"
+        "    raise RuntimeError('broken reward')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "flaky_async_reward:reward"
+    sys.modules.pop("flaky_async_reward", None)
+
+
+def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group(tmp_path, flaky_reward):
+    """Per group, failures are masked (the failed fraction is checked per step, see the next test)."""
+    cfg = sync_equivalent(small_cfg(tmp_path, f"task.reward_fn={flaky_reward}"))
+    worker = EngineRolloutWorker.build(cfg, "w")
+    even = next(it for it in worker.task.train.items if int(it.metadata["answer"]) % 2 == 0)
+    odd = next(it for it in worker.task.train.items if int(it.metadata["answer"]) % 2 == 1)
+    raising = sync_equivalent(
+        small_cfg(tmp_path, f"task.reward_fn={flaky_reward}", "task.reward.on_reward_error=raise")
+    )
+    strict = EngineRolloutWorker(
+        raising, worker.engine, build_task(raising.task, worker.engine.tokenizer), "s"
+    )
+
+    async def body():
+        bad, good = await worker.generate_group(even, 0), await worker.generate_group(odd, 0)
+        assert bad.samples.failed == [True] * 4 and all(math.isnan(r) for r in bad.samples.rewards)
+        assert good.samples.failed == [False] * 4 and good.samples.rewards == [1.0] * 4
+        batch = groups_to_batch([bad.samples, good.samples], cfg.grpo, pad_id=0)
+        assert batch["sample_mask"].tolist() == [0.0] * 4 + [1.0] * 4
+        with pytest.raises(RolloutFailure, match="reward of prompt"):
+            await strict.generate_group(even, 0)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, flaky_reward):
+    broken = flaky_reward.replace(":reward", ":always_fails")
+    with pytest.raises(RewardError, match="step 1: the reward failed on 100% of the samples"):
+        run_async_grpo(small_cfg(tmp_path, f"task.reward_fn={broken}", "grpo.val_at_start=false"))
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1] and steps[0]["reward_failed_fraction"] == 1.0
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_dynamic_sampling_filters_zero_variance_groups_as_they_arrive(tmp_path):
+    stats = StepStats()
+    trainer = SimpleNamespace(version=0)
+    results = [GenerationResult(i, 0, [5, 6], [7], [-1.0], "stop") for i in range(4)]
+
+    def group(gid, rewards):
+        return BufferedGroup(gid, gid, 0, 0, GroupSamples(gid, results, rewards, [False] * 4), 4)
+
+    for on, expect in ((True, [None, "kept"]), (False, ["kept", "kept"])):
+        prepare = prepare_samples(
+            small_cfg(tmp_path, f"grpo.dynamic_sampling={str(on).lower()}"), trainer, stats
+        )
+        got = [asyncio.run(prepare(group(g, r), 0)) for g, r in enumerate(([1.0] * 4, [0.0, 1.0, 0.0, 1.0]))]
+        assert [None if x is None else "kept" for x in got] == expect
+    assert stats.pop()["groups_dropped_zero_variance"] == 1
 
 
 # --------------------------------------------------------------------------- a whole local run
@@ -131,11 +200,21 @@ def test_local_run_logs_validates_checkpoints_and_resumes(tmp_path):
 
 
 def warm_start(out) -> str:
-    """The demo's SFT warm start (tiny model, arithmetic), saved as a Hugging Face directory."""
-    from posttrain.algorithms.demo import _default_sft
-
-    sft = _default_sft().model_dump(mode="json")
-    sft.update(max_num_steps=300, output_dir=str(out), logging={"progress_bar": False})
+    """The demo's warm start, pinned here: SFT of the tiny model on the default arithmetic task (single
+    digits, + and -), saved as a Hugging Face directory for GRPO to start from."""
+    sft = {
+        "policy": {
+            "model": {"name": "tiny", "tiny": {"hidden_size": 64, "intermediate_size": 128}},
+            "train_global_batch_size": 32,
+            "microbatch": {"train_micro_batch_size": 32},
+            "optimizer": {"lr": 3e-3},
+            "init_reference_model": False,
+        },
+        "max_num_steps": 300,
+        "val_period": 0,
+        "output_dir": str(out),
+        "logging": {"progress_bar": False},
+    }
     run_sft(build_config(SFTConfig, sft))
     return str(out / "hf")
 

@@ -1,26 +1,23 @@
-"""Asynchronous GRPO, the real run: engine-backed rollout workers, the Policy as trainer, and the
-metrics, validation and checkpoints around `AsyncGRPOController` (async_grpo.py).
+"""Asynchronous GRPO, the real run: the Policy as trainer, engine-backed rollout workers
+(async_engine_worker.py), and the metrics, validation and checkpoints around `AsyncGRPOController`.
 
-`run_async_grpo(cfg)` reads top to bottom like the synchronous `run_grpo`: build the policy, the task
-and the rollout workers (`rollout.backend: local` runs engines in this process, `ray` one engine per
-Ray actor), resume from a checkpoint if there is one, then let the controller stream prompt groups
-into split train steps; every step is logged, validated every `grpo.val_period` steps and
-checkpointed (the controller's state goes into the checkpoint's extra state).
+`run_async_grpo(cfg)` reads like the synchronous `run_grpo`: build the policy and the task, resume
+from a checkpoint if there is one, start the rollout workers (`rollout.backend: local` runs engines
+in this process, `ray` one engine per Ray actor), then let the controller stream prompt groups into
+split train steps. Every step is logged (metrics.jsonl), validated every `grpo.val_period` steps and
+checkpointed; the controller's state (data position, buffered groups, counters) goes into the
+checkpoint's extra state, so `checkpointing.resume` continues a run.
 
-Departures from the synchronous loop:
-- a group's G completions are drawn with seeds derived from (seed, prompt id, weight version), so a
-  group retried after a worker died is drawn again identically, whatever worker takes it;
-- the reward runs on a thread of the rollout worker, right after the group is generated; failed
-  rewards are masked exactly as in grpo.py (never 0), a reward error that stops the synchronous run
-  (`RewardError`) makes the group fail and be retried (then reported, `max_retries`);
-- weights travel as one `WeightsPayload` (full state dict plus the trainer's probe logprobs, one
-  `ray.put` per version under Ray); each worker loads it and checks its own logprobs on the probe
-  batch (generation/probe.py) before generating; a failed check retires the worker;
-- steps are sized by `async_grpo.target_prompt_groups_per_step` (not `grpo.num_prompts_per_step`),
-  and `grpo.dynamic_sampling` filters zero-variance groups as they arrive (the step is filled with
-  other groups, no refill bound);
+Departures from the synchronous loop (besides streaming, see async_grpo.py):
+- steps are sized by `async_grpo.target_prompt_groups_per_step` and counted by `async_grpo.num_steps`
+  (the `grpo` section keeps the group size, advantages, validation and seed);
+- `grpo.dynamic_sampling` filters zero-variance groups as they arrive; the step fills up with others;
 - the loss is `async_grpo.loss`: truncated importance sampling against the generation logprobs is on
-  by default, since samples may come from weights up to `max_staleness` versions old.
+  by default, since samples may come from weights up to `max_staleness` versions old;
+- groups of a step are trained in chunks of at least `train_chunk_rows` rows: a chunk's groups become
+  one batch (grpo.samples_to_batch: advantages per group), get their prev/reference logprobs, and go
+  to the Policy in one `train_microbatch` call. The step's gradient is the same as with one call per
+  group (exact global normalization); the calls are fewer and larger.
 """
 
 from __future__ import annotations
@@ -28,35 +25,43 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.advantages import zero_variance_groups
+from posttrain.algorithms.async_engine_worker import (
+    SAMPLES_CODEC,
+    GroupSamples,
+    RolloutConfig,
+    WeightsPayload,
+    engine_config,
+    probe_sync,
+    start_local_workers,
+    start_ray_workers,
+)
 from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController, RunSummary
-from posttrain.algorithms.async_types import GroupResult, RolloutFailure, RolloutWorker, SamplesCodec
-from posttrain.algorithms.async_workers import PolicyTrainer, RayRolloutWorker, policy_prepare_group
+from posttrain.algorithms.async_types import PrepareGroup, RolloutWorker
+from posttrain.algorithms.async_workers import PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
-from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, Run, samples_to_batch, score, validate
+from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, Run, samples_to_batch, validate
 from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.algorithms.sft import LoggingConfig
 from posttrain.algorithms.staleness import BufferedGroup, GroupState
 from posttrain.config import Config, dump_config
 from posttrain.generation.engine import GenerationEngine
-from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
-from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
+from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.generation.weight_sync import WeightSyncConfig
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model, model_config
 from posttrain.policy.policy import Policy
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig
 from posttrain.tasks.build import TaskConfig, build_task
-from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.rewards import RewardError
 from posttrain.tasks.task import Task
 
@@ -64,22 +69,6 @@ log = get_logger(__name__)
 
 
 # --------------------------------------------------------------------------- config
-
-
-class RolloutConfig(Config):
-    """Where the rollout workers (one generation engine each) run."""
-
-    backend: Literal["local", "ray"] = Field(
-        "local", description="local: engines in this process; ray: one engine per Ray actor process"
-    )
-    num_workers: int = Field(1, ge=1, description="rollout workers (engines)")
-    num_cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per rollout actor")
-    num_gpus_per_worker: float = Field(0.0, ge=0, description="Ray GPUs reserved per rollout actor")
-    torch_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads per rollout actor (None: Ray's default)"
-    )
-    ray_address: str | None = Field(None, description="existing Ray cluster; default starts one on loopback")
-    start_timeout_s: float = Field(300.0, gt=0, description="bound on starting the rollout actors")
 
 
 def _default_async() -> AsyncGRPOConfig:
@@ -96,7 +85,7 @@ _MOVED = {
 
 
 class AsyncGRPORunConfig(Config):
-    """An asynchronous GRPO run (the sections shared with GRPOConfig mean the same there)."""
+    """An asynchronous GRPO run (sections shared with GRPOConfig mean the same there)."""
 
     policy: PolicyConfig = Field(
         default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
@@ -113,6 +102,13 @@ class AsyncGRPORunConfig(Config):
         default_factory=_default_async, description="steps, staleness, scheduling, bounds and the loss"
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train_chunk_rows: int | None = Field(
+        None,
+        ge=1,
+        description="train a step's groups in chunks of at least this many rows, one train_microbatch "
+        "call each (None: the larger of policy.microbatch.train_micro_batch_size and "
+        "logprob_micro_batch_size; 1: one call per group)",
+    )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -131,7 +127,7 @@ class AsyncGRPORunConfig(Config):
 def sync_equivalent(cfg: AsyncGRPORunConfig) -> GRPOConfig:
     """The synchronous GRPOConfig with the same model, task, groups, steps and loss (not colocated).
 
-    Used for validation and scoring here, and to compare the two loops on equal samples."""
+    It configures the rollout workers and validation here, and compares the two loops on equal samples."""
     a = cfg.async_grpo
     loop = cfg.grpo.model_copy(
         update={
@@ -155,179 +151,91 @@ def sync_equivalent(cfg: AsyncGRPORunConfig) -> GRPOConfig:
     )
 
 
-# --------------------------------------------------------------------------- samples and weights
+# --------------------------------------------------------------------------- trainer side
 
 
-@dataclass
-class GroupSamples:
-    """A scored prompt group: what a rollout worker returns inside its GroupResult."""
-
-    prompt_id: int
-    results: list[GenerationResult]
-    rewards: list[float]  # NaN where the reward failed
-    failed: list[bool]
-    metrics: dict[str, float] = field(default_factory=dict)  # reward summary, timings, probe check
-
-
-def _encode(s: GroupSamples) -> dict[str, Any]:
-    out = asdict(s)
-    out["rewards"] = [None if f else r for r, f in zip(s.rewards, s.failed)]
-    out["metrics"] = {k: v for k, v in s.metrics.items() if math.isfinite(v)}
-    return out
+def groups_to_batch(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: int) -> Any:
+    """One training batch of several groups (grpo.samples_to_batch: advantages within each group,
+    failed samples masked)."""
+    results = [r for s in groups for r in s.results]
+    rewards = torch.tensor([x for s in groups for x in s.rewards], dtype=torch.float32)
+    failed = torch.tensor([x for s in groups for x in s.failed], dtype=torch.bool)
+    group_ids = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(s.results) for s in groups]))
+    return samples_to_batch(results, rewards, failed, group_ids, loop, pad_id)[0]
 
 
-def _decode(d: dict[str, Any]) -> GroupSamples:
-    rewards = [math.nan if r is None else float(r) for r in d["rewards"]]
-    results = [GenerationResult(**r) for r in d["results"]]
-    return GroupSamples(d["prompt_id"], results, rewards, list(d["failed"]), dict(d["metrics"]))
+class ChunkedTrainer(PolicyTrainer):
+    """The Policy as the controller's trainer, fed `GroupSamples` and training them in chunks.
+
+    `train_group` collects groups until they hold `min_rows` rows, then (on the policy thread) turns
+    them into one batch, adds prev/reference logprobs at the open step's weights and calls
+    `train_microbatch`; `finish` trains what is left first; `abort` drops it."""
+
+    def __init__(self, policy: Policy, loop: GRPOLoopConfig, pad_id: int, min_rows: int, reference: bool):
+        super().__init__(policy)
+        self.loop, self.pad_id, self.min_rows, self.reference = loop, pad_id, min_rows, reference
+        self._pending: list[GroupSamples] = []
+
+    def _train_chunk(self, groups: list[GroupSamples]) -> None:
+        batch = groups_to_batch(groups, self.loop, self.pad_id)
+        self.policy.train_microbatch(self.add_logprobs(batch, self.reference))
+
+    async def _flush(self) -> None:
+        chunk, self._pending = self._pending, []
+        if chunk:
+            await self.call(self._train_chunk, chunk)
+
+    async def train_group(self, batch: GroupSamples) -> None:
+        self._pending.append(batch)
+        if sum(len(s.results) for s in self._pending) >= self.min_rows:
+            await self._flush()
+
+    async def finish(self) -> dict[str, float]:
+        await self._flush()
+        return await super().finish()
+
+    async def abort(self) -> None:
+        self._pending = []
+        await super().abort()
 
 
-SAMPLES_CODEC = SamplesCodec(_encode, _decode)  # buffered groups survive a checkpoint
+def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: StepStats) -> PrepareGroup:
+    """The controller's `prepare_group`: the group's samples, or None when dynamic sampling filters it."""
 
-
-@dataclass
-class WeightsPayload:
-    """One weight version for the rollout workers: the full state dict and the trainer's logprobs on
-    the probe batch (None when the probe check is off), taken at the same time."""
-
-    version: int
-    state: dict[str, torch.Tensor]
-    probe_logprobs: torch.Tensor | None
-    temperature: float
-
-
-def sample_seed(seed: int, prompt_id: int, weight_version: int, k: int) -> int:
-    """Seed of sample k of a group: the same prompt at the same weights draws the same completions."""
-    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + k * 101 + 17) % (2**31)
-
-
-def probe_sync(cfg: AsyncGRPORunConfig, vocab_size: int) -> WeightSync:
-    """The probe batch and check, built identically on the trainer side and in every rollout worker."""
-    return WeightSync(cfg.weight_sync, vocab_size, dp_size=cfg.policy.cluster.num_workers)
-
-
-@dataclass
-class _ScoreView:
-    """What grpo.score reads of a `Run`: cfg.grpo, cfg.sampling, tokenizer and task."""
-
-    cfg: GRPOConfig
-    tokenizer: Any
-    task: Task
-
-
-# --------------------------------------------------------------------------- rollout workers
-
-
-class EngineRolloutWorker:
-    """A `RolloutWorker` over an in-process `GenerationEngine`: G seeded completions per prompt,
-    scored with the task's reward on a thread, stamped with the weight version that generated them.
-
-    Several groups may be in flight at once (they share the engine's continuous batch)."""
-
-    def __init__(self, cfg: AsyncGRPORunConfig, engine: GenerationEngine, task: Task, name: str = "") -> None:
-        self.cfg = cfg
-        self.engine = engine
-        self.name = name or "engine-worker"
-        self._score_view = _ScoreView(sync_equivalent(cfg), engine.tokenizer, task)
-        self._sync = probe_sync(cfg, engine.vocab_size) if cfg.weight_sync.probe.enabled else None
-        self._sync_metrics: dict[str, float] = {}
-
-    @classmethod
-    def build(cls, cfg: AsyncGRPORunConfig, name: str = "") -> EngineRolloutWorker:
-        """Tokenizer, task (for its reward) and an engine of the policy's model; the weights it starts
-        with are replaced by the first `set_weights`."""
-        tokenizer = build_tokenizer(cfg.policy.model)
-        task = build_task(cfg.task, tokenizer)
-        engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, cfg.generation)
-        return cls(cfg, engine, task, name)
-
-    async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        """Generate and score the group of `prompt` (see the class docstring)."""
-        g = self.cfg.grpo.num_generations_per_prompt
-        seed = self.cfg.grpo.seed
-        params = [
-            self.cfg.sampling.model_copy(
-                update={"seed": sample_seed(seed, prompt.prompt_id, weight_version, k)}
+    async def prepare(group: BufferedGroup, trainer_version: int) -> GroupSamples | None:
+        if trainer.version != trainer_version:
+            raise RuntimeError(
+                f"group {group.group_id} prepared for {trainer_version}, policy at {trainer.version}"
             )
-            for k in range(g)
-        ]
-        ids = list(prompt.prompt_token_ids)
-        t0 = time.perf_counter()
-        results = list(await asyncio.gather(*(self.engine.agenerate(ids, p) for p in params)))
-        t1 = time.perf_counter()
-        try:
-            rewards, failed, summary = await asyncio.to_thread(score, self._score_view, [prompt], results)
-        except RewardError as e:
-            raise RolloutFailure(f"{self.name}: reward of prompt {prompt.prompt_id} failed: {e}") from e
-        versions = {r.weight_version for r in results}
-        stamp = versions.pop() if len(versions) == 1 else -1  # mixed versions: the controller refuses it
-        metrics = {
-            **summary,
-            "generation_s": t1 - t0,
-            "reward_s": time.perf_counter() - t1,
-            **self._sync_metrics,
-        }
-        samples = GroupSamples(prompt.prompt_id, results, rewards.tolist(), failed.tolist(), metrics)
-        return GroupResult(samples, stamp, g)
+        s: GroupSamples = group.samples
+        rewards = torch.tensor(s.rewards)
+        group_ids = torch.zeros(len(s.rewards), dtype=torch.long)
+        valid = ~torch.tensor(s.failed, dtype=torch.bool)
+        flat = cfg.grpo.dynamic_sampling and bool(zero_variance_groups(rewards, group_ids, valid))
+        stats.add(group, s, flat)
+        return None if flat else s
 
-    async def set_weights(self, version: int, weights: WeightsPayload) -> None:
-        """Load `weights` between requests, then check the engine's logprobs on the probe batch."""
-        if weights.version != version:
-            raise ValueError(
-                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
-            )
-        t0 = time.perf_counter()
-        await self.engine.load_weights_async(weights.state, version)
-        metrics = {"weight_sync/seconds": time.perf_counter() - t0}
-        if self._sync is not None and weights.probe_logprobs is not None:
-            seqs = self._sync.probe.sequences
-            lp = await asyncio.to_thread(self.engine.compute_logprobs, seqs, weights.temperature)
-            checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
-            metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
-        self._sync_metrics = metrics
+    return prepare
 
 
-class EngineRolloutActor:
-    """The body of a Ray rollout actor: one `EngineRolloutWorker` (one engine) per actor process.
+def export_fn(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, tokenizer: Any) -> Callable[[], Any]:
+    """Runs on the policy thread after every step: the weights payload (a Ray ObjectRef under Ray)."""
+    sync_cfg = sync_equivalent(cfg)
+    sync = probe_sync(sync_cfg, model_config(cfg.policy.model, tokenizer).vocab_size)
+    policy = trainer.policy
 
-    Weights arrive as an ObjectRef of a `WeightsPayload` (Ray resolves it before `set_weights` runs)."""
+    def export() -> Any:
+        probe = sync.trainer_probe(policy) if cfg.weight_sync.probe.enabled else None
+        payload = WeightsPayload(
+            trainer.version, policy.full_state_dict(), probe, cfg.policy.logprob_temperature
+        )
+        if cfg.rollout.backend == "ray":
+            import ray
 
-    def __init__(self, cfg: AsyncGRPORunConfig, name: str) -> None:
-        if cfg.rollout.torch_threads is not None:
-            torch.set_num_threads(cfg.rollout.torch_threads)
-        self.worker = EngineRolloutWorker.build(cfg, name)
+            return ray.put(payload)
+        return payload
 
-    def ready(self) -> str:
-        return self.worker.name
-
-    async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        return await self.worker.generate_group(prompt, weight_version)
-
-    async def set_weights(self, version: int, weights: WeightsPayload) -> None:
-        await self.worker.set_weights(version, weights)
-
-
-def start_ray_workers(cfg: AsyncGRPORunConfig) -> tuple[list[RayRolloutWorker], list[Any]]:
-    """Start `rollout.num_workers` actors and wait (bounded) until each has built its engine."""
-    from posttrain.parallel.cluster import ensure_ray
-
-    ray = ensure_ray(cfg.rollout.ray_address)
-    r = cfg.rollout
-    actor_cls = ray.remote(num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)(EngineRolloutActor)
-    actors = [actor_cls.remote(cfg, f"rollout-{i}") for i in range(r.num_workers)]
-    try:
-        ray.get([a.ready.remote() for a in actors], timeout=r.start_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        for a in actors:
-            ray.kill(a)
-        raise TimeoutError(
-            f"the rollout actors did not start within rollout.start_timeout_s={r.start_timeout_s}s "
-            "(not enough free CPUs/GPUs in the Ray cluster for rollout.num_cpus_per_worker?)"
-        ) from None
-    return [RayRolloutWorker(a, name=f"rollout-{i}") for i, a in enumerate(actors)], actors
-
-
-# --------------------------------------------------------------------------- the run
+    return export
 
 
 class StepStats:
@@ -335,7 +243,7 @@ class StepStats:
 
     def __init__(self) -> None:
         self.groups: list[tuple[GroupSamples, bool]] = []
-        self.prepared: dict[int, int] = {}  # group id -> prompt id, over the whole run
+        self.prepared: dict[int, int] = {}  # group id -> prompt (dataset index), over the whole run
 
     def add(self, group: BufferedGroup, samples: GroupSamples, filtered: bool) -> None:
         self.groups.append((samples, filtered))
@@ -346,25 +254,27 @@ class StepStats:
         kept = [s for s, filtered in groups if not filtered]
         rewards = [r for s in kept for r, f in zip(s.rewards, s.failed) if not f]
         results = [r for s in kept for r in s.results]
+        n = max(len(results), 1)
         out = {
             "reward": sum(rewards) / len(rewards) if rewards else math.nan,
             "reward_failed": float(sum(sum(s.failed) for s in kept)),
+            "reward_failed_fraction": sum(sum(s.failed) for s in kept) / n,
             "groups_dropped_zero_variance": float(len(groups) - len(kept)),
-            "completion_length": sum(len(r.token_ids) for r in results) / max(len(results), 1),
-            "truncated_fraction": sum(r.finish_reason == "length" for r in results) / max(len(results), 1),
+            "completion_length": sum(len(r.token_ids) for r in results) / n,
+            "truncated_fraction": sum(r.finish_reason == "length" for r in results) / n,
         }
         for key in ("generation_s", "reward_s"):
             values = [s.metrics[key] for s in kept if key in s.metrics]
             if values:
                 out[f"rollout/{key}_mean"] = sum(values) / len(values)
-        diffs = [
-            s.metrics["weight_sync/probe_max_abs_diff"]
-            for s, _ in groups
-            if "weight_sync/probe_max_abs_diff" in s.metrics
-        ]
+        key = "weight_sync/probe_max_abs_diff"
+        diffs = [s.metrics[key] for s, _ in groups if key in s.metrics]
         if diffs:
-            out["weight_sync/probe_max_abs_diff"] = max(diffs)
+            out[key] = max(diffs)
         return out
+
+
+# --------------------------------------------------------------------------- the run
 
 
 @dataclass
@@ -373,14 +283,13 @@ class AsyncRun:
 
     cfg: AsyncGRPORunConfig
     policy: Policy
-    trainer: PolicyTrainer
+    trainer: ChunkedTrainer
     task: Task
-    tokenizer: Any
     workers: list[RolloutWorker]
     controller: AsyncGRPOController
     ckpt: CheckpointManager
     stats: StepStats
-    validator: Run | None  # a synchronous Run over a validation engine (grpo.validate)
+    validator: Run | None  # a synchronous Run over a validation engine in this process (grpo.validate)
     actors: list[Any] = field(default_factory=list)  # Ray actor handles (ray backend)
     resumed_step: int = 0
     own_policy: bool = True
@@ -390,12 +299,8 @@ def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
     dumped = cfg.model_dump(mode="json")
     a = dumped["async_grpo"]
     keys = ("max_staleness", "target_prompt_groups_per_step", "selection", "seed", "shuffle", "loss")
-    return {
-        "grpo": dumped["grpo"],
-        "sampling": dumped["sampling"],
-        "task": dumped["task"],
-        "async_grpo": {k: a[k] for k in keys},
-    }
+    view = {k: dumped[k] for k in ("grpo", "sampling", "task")}
+    return view | {"async_grpo": {k: a[k] for k in keys}}
 
 
 RESUME_MAY_CHANGE = (
@@ -415,41 +320,33 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     task = build_task(cfg.task, tokenizer)
     ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
     extra = _load_checkpoint(cfg, policy, ckpt)
-    trainer = PolicyTrainer(policy)
-    trainer.export_fn = _export_fn(cfg, policy, tokenizer, lambda: trainer.version)
+    mb = cfg.policy.microbatch
+    chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
+    reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
+    trainer = ChunkedTrainer(policy, cfg.grpo, tokenizer.pad_token_id or 0, chunk, reference)
+    trainer.export_fn = export_fn(cfg, trainer, tokenizer)
     actors: list[Any] = []
-    if cfg.rollout.backend == "ray":
-        workers, actors = start_ray_workers(cfg)
-    else:
-        workers = [EngineRolloutWorker.build(cfg, f"rollout-{i}") for i in range(cfg.rollout.num_workers)]
+    try:
+        if cfg.rollout.backend == "ray":
+            workers, actors = start_ray_workers(sync_equivalent(cfg), cfg.rollout)
+        else:
+            workers = start_local_workers(sync_equivalent(cfg), cfg.rollout)
+    except BaseException:
+        trainer.close()
+        if own_policy:
+            policy.shutdown()
+        raise
     stats = StepStats()
+    prepare = prepare_samples(cfg, trainer, stats)
     controller = AsyncGRPOController(
-        cfg.async_grpo,
-        task.train.items,
-        workers,
-        trainer,
-        policy_prepare_group(trainer, _group_to_batch(cfg, tokenizer, stats), _needs_reference(cfg)),
-        samples_codec=SAMPLES_CODEC,
+        cfg.async_grpo, task.train.items, workers, trainer, prepare, samples_codec=SAMPLES_CODEC
     )
     if extra is not None:
         controller.load_state_dict(extra["controller"])
     validator = _build_validator(cfg, policy, task, tokenizer)
     step = int(extra["step"]) if extra is not None else 0
-    return AsyncRun(
-        cfg,
-        policy,
-        trainer,
-        task,
-        tokenizer,
-        workers,
-        controller,
-        ckpt,
-        stats,
-        validator,
-        actors,
-        step,
-        own_policy,
-    )
+    parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
+    return AsyncRun(*parts, actors=actors, resumed_step=step, own_policy=own_policy)
 
 
 def _load_checkpoint(cfg: AsyncGRPORunConfig, policy: Policy, ckpt: CheckpointManager) -> dict | None:
@@ -468,71 +365,22 @@ def _load_checkpoint(cfg: AsyncGRPORunConfig, policy: Policy, ckpt: CheckpointMa
     return extra
 
 
-def _needs_reference(cfg: AsyncGRPORunConfig) -> bool:
-    return cfg.async_grpo.loss.reference_policy_kl_penalty > 0
-
-
-def _export_fn(
-    cfg: AsyncGRPORunConfig, policy: Policy, tokenizer: Any, version: Callable[[], int]
-) -> Callable[[], Any]:
-    """Runs on the policy thread after every step: the weights payload (a Ray ObjectRef under Ray)."""
-    sync = probe_sync(cfg, model_config(cfg.policy.model, tokenizer).vocab_size)
-
-    def export() -> Any:
-        probe = sync.trainer_probe(policy) if cfg.weight_sync.probe.enabled else None
-        payload = WeightsPayload(version(), policy.full_state_dict(), probe, cfg.policy.logprob_temperature)
-        if cfg.rollout.backend == "ray":
-            import ray
-
-            return ray.put(payload)
-        return payload
-
-    return export
-
-
-def _group_to_batch(
-    cfg: AsyncGRPORunConfig, tokenizer: Any, stats: StepStats
-) -> Callable[[BufferedGroup], Any]:
-    """The controller's per-group batch: grpo.samples_to_batch over one group (None filters it)."""
-    pad_id = tokenizer.pad_token_id or 0
-
-    def to_batch(group: BufferedGroup) -> Any:
-        s: GroupSamples = group.samples
-        rewards = torch.tensor(s.rewards, dtype=torch.float32)
-        failed = torch.tensor(s.failed, dtype=torch.bool)
-        group_ids = torch.zeros(len(s.results), dtype=torch.long)
-        flat = cfg.grpo.dynamic_sampling and zero_variance_groups(rewards, group_ids, ~failed)
-        stats.add(group, s, bool(flat))
-        if flat:
-            return None
-        batch, _ = samples_to_batch(s.results, rewards, failed, group_ids, cfg.grpo, pad_id)
-        return batch
-
-    return to_batch
-
-
 def _build_validator(cfg: AsyncGRPORunConfig, policy: Policy, task: Task, tokenizer: Any) -> Run | None:
     """A validation engine in this process, wrapped as a synchronous `Run` for grpo.validate."""
     loop = cfg.grpo
     if task.eval is None or not (loop.val_period or loop.val_at_start):
         return None
     sync_cfg = sync_equivalent(cfg)
-    engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, cfg.generation)
-    return Run(
-        sync_cfg,
-        policy,
-        engine,
-        task,
-        tokenizer,
-        ClippedPGLoss(cfg.async_grpo.loss),
-        probe_sync(cfg, engine.vocab_size),
-    )
+    model = load_full_model(cfg.policy.model, tokenizer)
+    engine = GenerationEngine(model, tokenizer, engine_config(sync_cfg, task))
+    sync = probe_sync(sync_cfg, engine.vocab_size)
+    return Run(sync_cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.async_grpo.loss), sync)
 
 
 def validate_now(run: AsyncRun) -> dict[str, float]:
     """Blocking: the validation engine gets the current weights (probe-checked), then grpo.validate."""
-    assert run.validator is not None
     v = run.validator
+    assert v is not None
     sync = v.weight_sync.sync_local(run.policy, v.engine, run.trainer.version)
     out = validate(v)
     if "probe_max_abs_diff" in sync:
@@ -540,51 +388,72 @@ def validate_now(run: AsyncRun) -> dict[str, float]:
     return out
 
 
+def check_failed_rewards(cfg: AsyncGRPORunConfig, step: int, metrics: dict[str, float]) -> None:
+    """`task.reward.max_failed_fraction` over the step's samples (the rollout workers score per group
+    and do not check it): a broken reward function stops the run, as in the synchronous loop."""
+    reward = cfg.task.reward
+    frac = metrics["reward_failed_fraction"]
+    if reward.on_reward_error == "skip_sample" and frac > reward.max_failed_fraction:
+        raise RewardError(
+            f"step {step}: the reward failed on {frac:.0%} of the samples, more than "
+            f"task.reward.max_failed_fraction={reward.max_failed_fraction}. Fix the reward function, or "
+            "raise max_failed_fraction (1.0 never stops)"
+        )
+
+
 OnStepHook = Callable[[AsyncRun, int, dict[str, float]], Awaitable[None] | None]
 
 
 async def train(run: AsyncRun, metrics_log: MetricsLogger, hook: OnStepHook | None = None) -> RunSummary:
-    """Validate at start, run the controller; each step: log, validate, checkpoint, then `hook`."""
+    """Validate at start, run the controller; after each step: log, validate, checkpoint, `hook`."""
     cfg, loop = run.cfg, run.cfg.grpo
     num_steps = cfg.async_grpo.num_steps
-    progress = StepProgress(
-        num_steps or 0, "grpo-async", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar
-    )
+    fields = ("reward", "val/accuracy", "step_time_s")
+    progress = StepProgress(num_steps or 0, "grpo-async", fields, cfg.logging.progress_bar)
     if run.validator is not None and loop.val_at_start and run.resumed_step == 0:
         metrics_log.log(await run.trainer.call(validate_now, run), 0)
 
+    saved = [run.resumed_step]
+
+    async def save(step: int, metrics: dict[str, float]) -> None:
+        extra = {"step": step, "controller": run.controller.state_dict(), "config": _resume_view(cfg)}
+        await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
+        saved[0] = step
+
     async def on_step(step: int, metrics: dict[str, float]) -> None:
-        metrics.pop("step", None)  # the log's own `step` field
+        metrics.pop("step", None)  # the log has its own
         metrics.update(run.stats.pop())
         if run.validator is not None and loop.val_period and step % loop.val_period == 0:
             metrics.update(await run.trainer.call(validate_now, run))
         metrics_log.log(metrics, step)
         progress.update(step, metrics)
+        check_failed_rewards(cfg, step, metrics)
         if run.ckpt.should_save(step, num_steps or -1):
-            extra = {"step": step, "controller": run.controller.state_dict(), "config": _resume_view(cfg)}
-            await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
+            await save(step, metrics)
         if hook is not None:
             result = hook(run, step, metrics)
             if inspect.isawaitable(result):
                 await result
 
     try:
-        return await run.controller.run(on_step)
+        summary = await run.controller.run(on_step)
+        if cfg.checkpointing.enabled and summary.steps > saved[0]:  # ended at the data's end
+            await save(summary.steps, {})
+        return summary
     finally:
         progress.close()
 
 
 def summary_metrics(summary: RunSummary) -> dict[str, float]:
-    """How the run ended, as flat metrics (the ledger's group counts, the cumulative counters)."""
+    """How the run ended, as flat metrics: the ledger's group counts and the cumulative counters."""
     out = {f"summary/groups_{k}": float(v) for k, v in summary.groups.items()}
     out |= {f"summary/total_{k}": float(v) for k, v in summary.totals.items()}
-    out |= {
+    return out | {
         "summary/steps": float(summary.steps),
         "summary/trainer_version": float(summary.trainer_version),
         "summary/data_exhausted": float(summary.data_exhausted),
         "summary/dead_workers": float(len(summary.dead_workers)),
     }
-    return out
 
 
 def run_async_grpo(
@@ -606,8 +475,8 @@ def run_async_grpo(
 
     try:
         summary = asyncio.run(train(run, metrics_log, keep_last))
-        for dead, reason in summary.dead_workers.items():
-            log.warning("rollout worker %d was lost during the run: %s", dead, reason)
+        for index, reason in summary.dead_workers.items():
+            log.warning("rollout worker %d was lost during the run: %s", index, reason)
         final = summary_metrics(summary)
         metrics_log.log(final, summary.steps)
         last.update(final)
@@ -631,5 +500,5 @@ def close(run: AsyncRun) -> None:
 
 
 def trained_prompt_ids(run: AsyncRun) -> list[int]:
-    """Prompt ids of every trained group, in group-id order (for checks that nothing was lost)."""
+    """Dataset indices of the prompts of every trained group, in group-id order."""
     return [run.stats.prepared[g] for g in run.controller.ledger.ids(GroupState.TRAINED)]

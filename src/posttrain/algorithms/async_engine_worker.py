@@ -1,0 +1,240 @@
+"""The rollout worker of a real asynchronous GRPO run: a generation engine that draws a prompt's G
+completions, scores them with the task's reward and returns them stamped with their weight version,
+in this process (`EngineRolloutWorker`) or in a Ray actor of its own (`EngineRolloutActor`).
+
+It is configured by the synchronous `GRPOConfig` of the run (async_grpo_run.sync_equivalent), so
+scoring is grpo.score itself: failed rewards are marked and masked, never 0. Departures:
+- sample k of a group is drawn with a seed derived from (seed, prompt id, weight version, k), so a
+  group retried after its worker died is drawn again identically, whatever worker takes it;
+- the reward runs on a thread right after the group is generated. `task.reward.max_failed_fraction`
+  is checked per step by the trainer side (as grpo.py checks it per step batch), not per group; a
+  `RewardError` (`on_reward_error: raise`) becomes a `RolloutFailure`: the group is retried, then
+  reported (`max_retries`);
+- weights arrive as one `WeightsPayload` (state dict + the trainer's probe logprobs, one `ray.put`
+  per version under Ray); the worker loads it between requests and checks its own logprobs on the
+  probe batch (generation/probe.py); a failed check raises `WeightSyncError` and the controller
+  retires the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec
+from posttrain.algorithms.async_workers import RayRolloutWorker
+from posttrain.algorithms.grpo import GRPOConfig, score
+from posttrain.config import Config
+from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.params import GenerationConfig, GenerationResult
+from posttrain.generation.weight_sync import WeightSync
+from posttrain.parallel.mesh import default_device
+from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.tasks.build import build_task
+from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.rewards import RewardError
+from posttrain.tasks.task import Task
+
+
+class RolloutConfig(Config):
+    """Where the rollout workers (one generation engine each) run."""
+
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local: engines in this process; ray: one engine per Ray actor process"
+    )
+    num_workers: int = Field(1, ge=1, description="rollout workers (engines)")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per rollout actor")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="Ray GPUs reserved per rollout actor")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per rollout actor (None: Ray's default)"
+    )
+    ray_address: str | None = Field(None, description="existing Ray cluster; default starts one on loopback")
+    start_timeout_s: float = Field(300.0, gt=0, description="bound on starting the rollout actors")
+
+
+@dataclass
+class GroupSamples:
+    """A scored prompt group: what a rollout worker returns inside its GroupResult."""
+
+    prompt_id: int
+    results: list[GenerationResult]
+    rewards: list[float]  # NaN where the reward failed
+    failed: list[bool]
+    metrics: dict[str, float] = field(default_factory=dict)  # reward summary, timings, probe check
+
+
+def _encode(s: GroupSamples) -> dict[str, Any]:
+    out = asdict(s)
+    out["rewards"] = [None if f else r for r, f in zip(s.rewards, s.failed)]
+    out["metrics"] = {k: v for k, v in s.metrics.items() if math.isfinite(v)}
+    return out
+
+
+def _decode(d: dict[str, Any]) -> GroupSamples:
+    rewards = [math.nan if r is None else float(r) for r in d["rewards"]]
+    results = [GenerationResult(**r) for r in d["results"]]
+    return GroupSamples(d["prompt_id"], results, rewards, list(d["failed"]), dict(d["metrics"]))
+
+
+SAMPLES_CODEC = SamplesCodec(_encode, _decode)  # buffered groups survive a checkpoint (JSON)
+
+
+@dataclass
+class WeightsPayload:
+    """One weight version for the rollout workers: the full state dict and the trainer's logprobs on
+    the probe batch (None when the probe check is off), taken together."""
+
+    version: int
+    state: dict[str, torch.Tensor]
+    probe_logprobs: torch.Tensor | None
+    temperature: float
+
+
+def sample_seed(seed: int, prompt_id: int, weight_version: int, k: int) -> int:
+    """Seed of sample k of a group: the same prompt at the same weights draws the same completions."""
+    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + k * 101 + 17) % (2**31)
+
+
+def probe_sync(cfg: GRPOConfig, vocab_size: int) -> WeightSync:
+    """The probe batch and its check, built identically on the trainer side and in every worker."""
+    return WeightSync(cfg.weight_sync, vocab_size, dp_size=cfg.policy.cluster.num_workers)
+
+
+def engine_config(cfg: GRPOConfig, task: Task) -> GenerationConfig:
+    """The engine's config as grpo.setup derives it: on the default device unless set, and a KV cache
+    no longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
+    gen = cfg.generation
+    if gen.device is None:
+        gen = gen.model_copy(update={"device": str(default_device())})
+    if gen.max_model_len is None:
+        splits = [ds for ds in (task.train, task.eval) if ds is not None]
+        longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
+        gen = gen.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
+    return gen
+
+
+@dataclass
+class _ScoreView:
+    """What grpo.score reads of a `Run`: cfg.grpo, cfg.sampling, tokenizer and task."""
+
+    cfg: GRPOConfig
+    tokenizer: Any
+    task: Task
+
+
+class EngineRolloutWorker:
+    """A `RolloutWorker` over an in-process `GenerationEngine` (see the module docstring).
+
+    Several groups may be in flight at once: they share the engine's continuous batch."""
+
+    def __init__(self, cfg: GRPOConfig, engine: GenerationEngine, task: Task, name: str = "") -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.task = task
+        self.name = name or "engine-worker"
+        self._score_view = _ScoreView(cfg, engine.tokenizer, task)
+        self._sync = probe_sync(cfg, engine.vocab_size) if cfg.weight_sync.probe.enabled else None
+        self._sync_metrics: dict[str, float] = {}
+
+    @classmethod
+    def build(cls, cfg: GRPOConfig, name: str = "") -> EngineRolloutWorker:
+        """Tokenizer, task (for its reward) and an engine of the policy's model; the weights it starts
+        with are replaced by the first `set_weights`."""
+        tokenizer = build_tokenizer(cfg.policy.model)
+        reward = cfg.task.reward
+        if reward.on_reward_error == "skip_sample":  # the trainer side checks the fraction per step
+            reward = reward.model_copy(update={"max_failed_fraction": 1.0})
+        task = build_task(cfg.task.model_copy(update={"reward": reward}), tokenizer)
+        model = load_full_model(cfg.policy.model, tokenizer)
+        return cls(cfg, GenerationEngine(model, tokenizer, engine_config(cfg, task)), task, name)
+
+    async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
+        """Generate and score the `num_generations_per_prompt` completions of `prompt`."""
+        g = self.cfg.grpo.num_generations_per_prompt
+        seeds = [sample_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version, k) for k in range(g)]
+        params = [self.cfg.sampling.model_copy(update={"seed": s}) for s in seeds]
+        ids = list(prompt.prompt_token_ids)
+        t0 = time.perf_counter()
+        results = list(await asyncio.gather(*(self.engine.agenerate(ids, p) for p in params)))
+        t1 = time.perf_counter()
+        try:
+            rewards, failed, summary = await asyncio.to_thread(score, self._score_view, [prompt], results)
+        except RewardError as e:
+            raise RolloutFailure(f"{self.name}: reward of prompt {prompt.prompt_id} failed: {e}") from e
+        versions = {r.weight_version for r in results}
+        stamp = versions.pop() if len(versions) == 1 else -1  # mixed versions: the controller refuses it
+        timings = {"generation_s": t1 - t0, "reward_s": time.perf_counter() - t1}
+        metrics = {**summary, **timings, **self._sync_metrics}
+        return GroupResult(
+            GroupSamples(prompt.prompt_id, results, rewards.tolist(), failed.tolist(), metrics), stamp, g
+        )
+
+    async def set_weights(self, version: int, weights: WeightsPayload) -> None:
+        """Load `weights` between requests, then check the engine's logprobs on the probe batch."""
+        if weights.version != version:
+            raise ValueError(
+                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
+            )
+        t0 = time.perf_counter()
+        await self.engine.load_weights_async(weights.state, version)
+        metrics = {"weight_sync/seconds": time.perf_counter() - t0}
+        if self._sync is not None and weights.probe_logprobs is not None:
+            seqs = self._sync.probe.sequences
+            lp = await asyncio.to_thread(self.engine.compute_logprobs, seqs, weights.temperature)
+            checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
+            metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
+        self._sync_metrics = metrics
+
+
+class EngineRolloutActor:
+    """The body of a Ray rollout actor: one `EngineRolloutWorker` (one engine) per actor process.
+
+    Weights arrive as an ObjectRef of a `WeightsPayload` (Ray resolves it before `set_weights` runs)."""
+
+    def __init__(self, cfg: GRPOConfig, name: str, torch_threads: int | None = None) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.worker = EngineRolloutWorker.build(cfg, name)
+
+    def ready(self) -> str:
+        return self.worker.name
+
+    async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
+        return await self.worker.generate_group(prompt, weight_version)
+
+    async def set_weights(self, version: int, weights: WeightsPayload) -> None:
+        await self.worker.set_weights(version, weights)
+
+
+def start_ray_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> tuple[list[RayRolloutWorker], list[Any]]:
+    """Start `rollout.num_workers` actors; wait (bounded) until each has built its engine.
+
+    Returns the controller-facing workers and the actor handles (to kill them at the end)."""
+    from posttrain.parallel.cluster import ensure_ray
+
+    ray = ensure_ray(rollout.ray_address)
+    opts = {"num_cpus": rollout.num_cpus_per_worker, "num_gpus": rollout.num_gpus_per_worker}
+    actor_cls = ray.remote(**opts)(EngineRolloutActor)
+    names = [f"rollout-{i}" for i in range(rollout.num_workers)]
+    actors = [actor_cls.remote(cfg, name, rollout.torch_threads) for name in names]
+    try:
+        ray.get([a.ready.remote() for a in actors], timeout=rollout.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for a in actors:
+            ray.kill(a)
+        raise TimeoutError(
+            f"the rollout actors did not start within rollout.start_timeout_s={rollout.start_timeout_s}s "
+            "(not enough free CPUs/GPUs in the Ray cluster for rollout.num_cpus_per_worker?)"
+        ) from None
+    return [RayRolloutWorker(a, name=n) for a, n in zip(actors, names)], actors
+
+
+def start_local_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> list[EngineRolloutWorker]:
+    """`rollout.num_workers` engines in this process."""
+    return [EngineRolloutWorker.build(cfg, f"rollout-{i}") for i in range(rollout.num_workers)]
