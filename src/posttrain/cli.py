@@ -1,4 +1,4 @@
-"""Command line: posttrain demo | grpo | sft | export | generate.
+"""Command line: posttrain demo | grpo | grpo-async | sft | export | generate.
 
 Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`).
 """
@@ -37,6 +37,20 @@ def _grpo(args: argparse.Namespace) -> int:
     console.print(
         f"[bold green]GRPO done[/]: reward {result.get('reward', float('nan')):.3f}, held-out accuracy "
         f"{result.get('val/accuracy', float('nan')):.3f}; outputs in {cfg.output_dir}"
+    )
+    return 0
+
+
+def _grpo_async(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.async_grpo_run import AsyncGRPORunConfig, run_async_grpo
+
+    cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides)
+    result = run_async_grpo(cfg)
+    console.print(
+        f"[bold green]asynchronous GRPO done[/]: {result.get('summary/steps', 0):.0f} steps, reward "
+        f"{result.get('reward', float('nan')):.3f}, held-out accuracy {result.get('val/accuracy', float('nan')):.3f}, "
+        f"{result.get('summary/groups_trained', 0):.0f} groups trained, "
+        f"{result.get('summary/dead_workers', 0):.0f} rollout worker(s) lost; outputs in {cfg.output_dir}"
     )
     return 0
 
@@ -94,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in [
         ("demo", _demo, "built-in demo: SFT warm start then GRPO on arithmetic (CPU, minutes)"),
         ("grpo", _grpo, "GRPO training"),
+        (
+            "grpo-async",
+            _grpo_async,
+            "asynchronous GRPO: rollouts stream while the trainer trains (bounded staleness)",
+        ),
         ("sft", _sft, "supervised fine-tuning (warm start)"),
     ]:
         p = sub.add_parser(name, help=text)
