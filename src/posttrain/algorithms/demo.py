@@ -1,6 +1,13 @@
 """The built-in demo: warm-start a tiny model with SFT on arithmetic, then improve it with GRPO.
 
-Held-out accuracy is measured after the warm start (GRPO's step-0 validation) and after GRPO.
+Held-out accuracy is measured after the warm start (GRPO's step-0 validation) and after GRPO, greedily
+on the same held-out problems (never trained on, in either stage).
+
+Why these defaults: two-operand addition up to 19+19 (400 problems, 80 held out) is too many problems
+for the tiny model to memorize, so what it learns on the training problems carries over to the held-out
+ones; a short SFT leaves it at roughly 10-35% held-out accuracy, and GRPO (32 prompts x 8 samples, two
+optimizer steps per GRPO step) takes it well past that within a few hundred steps. On CPU the GRPO stage
+runs non-colocated: offloading the trainer buys nothing on a host and costs a `gc.collect()` per step.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from posttrain.config import Config
 from posttrain.logging import read_metrics
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+TASK = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
 
 
 def _default_sft() -> SFTConfig:
@@ -27,7 +35,8 @@ def _default_sft() -> SFTConfig:
                 "optimizer": {"lr": 3e-3},
                 "init_reference_model": False,
             },
-            "max_num_steps": 120,
+            "task": TASK,
+            "max_num_steps": 150,
             "val_period": 0,
         }
     )
@@ -38,18 +47,25 @@ def _default_grpo() -> GRPOConfig:
         {
             "policy": {
                 "train_global_batch_size": 128,
-                "microbatch": {"train_micro_batch_size": 128},
+                "microbatch": {"train_micro_batch_size": 128, "logprob_micro_batch_size": 256},
                 "optimizer": {"lr": 1e-3},
+                # in optimizer steps (two per GRPO step): warm up, hold, decay to 0.1x by GRPO step 400
+                "scheduler": [
+                    {"kind": "linear", "steps": 20, "start_factor": 0.05},
+                    {"kind": "constant", "steps": 280},
+                    {"kind": "linear", "steps": 500, "end_factor": 0.1},
+                ],
                 "init_reference_model": False,
             },
-            "generation": {"max_num_seqs": 128},
+            "generation": {"max_num_seqs": 256},
             "sampling": {"max_new_tokens": 4, "temperature": 1.0},
             "grpo": {
-                "num_prompts_per_step": 16,
+                "num_prompts_per_step": 32,
                 "num_generations_per_prompt": 8,
-                "max_num_steps": 40,
-                "val_period": 10,
+                "max_num_steps": 400,
+                "val_period": 50,
             },
+            "colocated": False,
             "checkpointing": {"enabled": False, "resume": "never"},
         }
     )

@@ -1,0 +1,71 @@
+"""The built-in demo, made small: SFT warm start then GRPO on arithmetic; the reward must rise.
+
+The full demo (400 GRPO steps) is what `posttrain demo` runs; here the same stages and defaults run for
+80 GRPO steps and the reward is read from the GRPO stage's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+
+from posttrain.algorithms.demo import DemoConfig, run_demo
+from posttrain.cli import main
+from posttrain.config import load_config
+from posttrain.logging import read_metrics
+
+STEPS = 80
+WINDOW = 10
+# Mean reward of the last WINDOW steps minus the first WINDOW steps was 0.155 for this seed, and
+# 0.105-0.145 for three other seeds (task split, model init and sampling seeds all changed).
+MIN_RISE = 0.05
+
+
+def test_demo_reward_rises(tmp_path):
+    cfg = load_config(
+        DemoConfig,
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "sft.logging.progress_bar=false",
+            "grpo.logging.progress_bar=false",
+            f"grpo.grpo.max_num_steps={STEPS}",
+            f"grpo.grpo.val_period={STEPS}",
+        ],
+    )
+    result = run_demo(cfg)
+    records = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    rewards = [r["reward"] for r in records if "reward" in r]
+    assert len(rewards) == STEPS
+    first, last = statistics.mean(rewards[:WINDOW]), statistics.mean(rewards[-WINDOW:])
+    assert last > first + MIN_RISE, (first, last)
+    assert [r["step"] for r in records if "val/accuracy" in r] == [0, STEPS]
+    assert 0.0 <= result["accuracy_after_sft"] <= 1.0 and 0.0 <= result["accuracy_after_grpo"] <= 1.0
+
+
+def test_demo_cli_rejects_a_bad_key_with_exit_2(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "demo",
+            f"output_dir={out}",
+            "grpo.grpo.num_prompts_per_stepp=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "num_prompts_per_step" in proc.stdout  # the message suggests the valid key
+    assert not out.exists()  # nothing ran
+
+
+def test_demo_cli_rejects_a_bad_value_with_exit_2(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", f"output_dir={out}", "sft.max_num_steps=-1"]) == 2
+    assert "sft.max_num_steps" in capsys.readouterr().out
+    assert not out.exists()
