@@ -181,3 +181,20 @@ def test_non_finite_loss_refuses_the_step_and_leaves_optimizer_untouched():
     assert policy.get_states()[0]["trainer_version"] == 1
     policy.train(batch, ClippedPGLoss())  # the policy is usable afterwards
     assert policy.get_states()[0]["trainer_version"] == 2
+
+
+def test_open_ended_decay_stage_is_refused():
+    with pytest.raises(ValueError, match="'cosine' scheduler stage needs steps > 0"):
+        Policy(policy_cfg(scheduler=[{"kind": "constant", "steps": 2}, {"kind": "cosine"}]))
+
+
+def test_cosine_stage_decays_gradually():
+    policy = Policy(
+        policy_cfg(
+            optimizer={"lr": 1.0, "name": "torch.optim.SGD"},
+            scheduler=[{"kind": "cosine", "steps": 4, "min_factor": 0.0}],
+        )
+    )
+    batch = random_batch(8, 16)
+    lrs = [policy.train(batch, NLLLoss())["lr"] for _ in range(5)]
+    assert lrs == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466, 0.0], abs=1e-6)

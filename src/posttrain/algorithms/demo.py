@@ -19,7 +19,9 @@ from pydantic import Field
 from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.config import Config
-from posttrain.logging import read_metrics
+from posttrain.logging import get_logger, read_metrics
+
+log = get_logger(__name__)
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 TASK = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
@@ -82,6 +84,8 @@ class DemoConfig(Config):
 def run_demo(cfg: DemoConfig) -> dict[str, float]:
     """Returns accuracy after SFT, after GRPO, and the gain in points."""
     out = Path(cfg.output_dir)
+    if cfg.grpo.task != _default_grpo().task and cfg.grpo.task != cfg.sft.task:
+        log.warning("demo: grpo.task is ignored; both stages use sft.task (set the task there)")
     sft = cfg.sft.model_copy(update={"output_dir": str(out / "sft"), "save_final_model": True})
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})

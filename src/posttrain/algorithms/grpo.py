@@ -263,7 +263,7 @@ def generate(run: Run) -> Rollouts:
     g = loop.num_generations_per_prompt
     colocated_generation_start(run)
     kept_items, kept_results, kept_rewards, kept_failed = [], [], [], []
-    dropped, summaries = 0, []
+    dropped, summaries, drawn = 0, [], []
     t_reward = 0.0
     for attempt in range(1 + (loop.dynamic_sampling_max_refills if loop.dynamic_sampling else 0)):
         need = loop.num_prompts_per_step - len(kept_items)
@@ -275,6 +275,7 @@ def generate(run: Run) -> Rollouts:
         rewards, failed, summary = score(run, items, results)
         t_reward += time.perf_counter() - t1
         summaries.append(summary)
+        drawn.append(rewards[~failed])
         group_ids = torch.arange(len(items)).repeat_interleave(g)
         flat = zero_variance_groups(rewards, group_ids, ~failed) if loop.dynamic_sampling else set()
         for i, item in enumerate(items):
@@ -292,7 +293,10 @@ def generate(run: Run) -> Rollouts:
     valid = rewards[~failed]
     lengths = [len(r.token_ids) for r in kept_results]
     metrics = {
-        "reward": float(valid.mean()) if len(valid) else float("nan"),
+        "reward": float(valid.mean()) if len(valid) else float("nan"),  # over the groups trained on
+        "reward_all_samples": float(torch.cat(drawn).mean())
+        if drawn and len(torch.cat(drawn))
+        else float("nan"),
         "reward_failed": float(sum(s.get("reward_failed", 0) for s in summaries)),
         "groups_dropped_zero_variance": float(dropped),
         "groups_trained": float(len(kept_items)),

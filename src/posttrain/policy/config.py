@@ -48,7 +48,11 @@ class SchedulerStage(Config):
     """One stage of the learning-rate schedule (stages run one after another, SequentialLR-style)."""
 
     kind: Literal["constant", "linear", "cosine"] = "constant"
-    steps: int = Field(0, ge=0, description="length of the stage in optimizer steps (0 = rest of training)")
+    steps: int = Field(
+        0,
+        ge=0,
+        description="length of the stage in optimizer steps (0 = rest of training, constant stages only)",
+    )
     start_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage start")
     end_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage end")
     min_factor: float = Field(0.0, ge=0, description="cosine: lr factor at the stage end")

@@ -49,6 +49,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, stages: list[SchedulerStag
     for s in stages[:-1]:
         if s.steps == 0:
             raise ValueError("every scheduler stage but the last needs steps > 0 (its milestone)")
+    for s in stages:
+        if s.kind != "constant" and s.steps == 0:
+            raise ValueError(
+                f"a '{s.kind}' scheduler stage needs steps > 0 (the optimizer steps it spans); only a "
+                "'constant' stage may be open-ended (steps: 0 = the rest of training)"
+            )
     scheds = [torch.optim.lr_scheduler.LambdaLR(optimizer, _stage_lambda(s)) for s in stages]
     if len(scheds) == 1:
         return scheds[0]
