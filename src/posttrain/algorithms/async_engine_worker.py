@@ -29,12 +29,11 @@ from pydantic import Field
 
 from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec
 from posttrain.algorithms.async_workers import RayRolloutWorker
-from posttrain.algorithms.grpo import GRPOConfig, score
+from posttrain.algorithms.grpo import GRPOConfig, engine_config, score
 from posttrain.config import Config
 from posttrain.generation.engine import GenerationEngine
-from posttrain.generation.params import GenerationConfig, GenerationResult
+from posttrain.generation.params import GenerationResult
 from posttrain.generation.weight_sync import WeightSync
-from posttrain.parallel.mesh import default_device
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.tasks.build import build_task
 from posttrain.tasks.datasets import PromptItem
@@ -104,19 +103,6 @@ def sample_seed(seed: int, prompt_id: int, weight_version: int, k: int) -> int:
 def probe_sync(cfg: GRPOConfig, vocab_size: int) -> WeightSync:
     """The probe batch and its check, built identically on the trainer side and in every worker."""
     return WeightSync(cfg.weight_sync, vocab_size, dp_size=cfg.policy.cluster.num_workers)
-
-
-def engine_config(cfg: GRPOConfig, task: Task) -> GenerationConfig:
-    """The engine's config as grpo.setup derives it: on the default device unless set, and a KV cache
-    no longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
-    gen = cfg.generation
-    if gen.device is None:
-        gen = gen.model_copy(update={"device": str(default_device())})
-    if gen.max_model_len is None:
-        splits = [ds for ds in (task.train, task.eval) if ds is not None]
-        longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
-        gen = gen.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
-    return gen
 
 
 @dataclass

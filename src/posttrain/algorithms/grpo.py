@@ -193,6 +193,19 @@ def grpo_step(run: Run) -> dict[str, float]:
 # --------------------------------------------------------------------------- phases
 
 
+def engine_config(cfg: GRPOConfig, task: Task) -> GenerationConfig:
+    """The engine's config as the loops use it: on the default device unless set, and a KV cache
+    no longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
+    gen = cfg.generation
+    if gen.device is None:
+        gen = gen.model_copy(update={"device": str(default_device())})
+    if gen.max_model_len is None:
+        splits = [ds for ds in (task.train, task.eval) if ds is not None]
+        longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
+        gen = gen.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
+    return gen
+
+
 def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     """Policy, tokenizer, task, engine (with the policy's weights) and the probe batch."""
     if (
@@ -207,14 +220,7 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     policy = policy or Policy(cfg.policy)
     tokenizer = build_tokenizer(cfg.policy.model)
     task = build_task(cfg.task, tokenizer)
-    gen_cfg = cfg.generation
-    if gen_cfg.device is None:  # generate where the trainer trains (the GPU when there is one)
-        gen_cfg = gen_cfg.model_copy(update={"device": str(default_device())})
-    if gen_cfg.max_model_len is None:  # the KV cache never needs more than the longest prompt + completion
-        longest = max(
-            len(it.prompt_token_ids) for ds in (task.train, task.eval) if ds is not None for it in ds
-        )
-        gen_cfg = gen_cfg.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
+    gen_cfg = engine_config(cfg, task)
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
     sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.cluster.num_workers)
     run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
