@@ -47,21 +47,23 @@ from posttrain.algorithms.async_engine_worker import (
 from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController, RunSummary
 from posttrain.algorithms.async_types import PrepareGroup, RolloutWorker
 from posttrain.algorithms.async_workers import PolicyTrainer
-from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
-from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, Run, samples_to_batch, validate
+from posttrain.algorithms.checkpointing import CheckpointManager, check_resume_config
+from posttrain.algorithms.grpo import (
+    GRPOConfig,
+    GRPOLoopConfig,
+    GRPORunSections,
+    Run,
+    samples_to_batch,
+    validate,
+)
 from posttrain.algorithms.losses import ClippedPGLoss
-from posttrain.algorithms.sft import LoggingConfig
 from posttrain.algorithms.staleness import BufferedGroup, GroupState
-from posttrain.config import Config, dump_config
+from posttrain.config import dump_config
 from posttrain.generation.engine import GenerationEngine
-from posttrain.generation.params import GenerationConfig, SamplingParams
-from posttrain.generation.weight_sync import WeightSyncConfig
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
-from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model, model_config
 from posttrain.policy.policy import Policy
-from posttrain.tasks.arithmetic import ArithmeticTaskConfig
-from posttrain.tasks.build import TaskConfig, build_task
+from posttrain.tasks.build import build_task
 from posttrain.tasks.rewards import RewardError
 from posttrain.tasks.task import Task
 
@@ -84,15 +86,9 @@ _MOVED = {
 }
 
 
-class AsyncGRPORunConfig(Config):
-    """An asynchronous GRPO run (sections shared with GRPOConfig mean the same there)."""
+class AsyncGRPORunConfig(GRPORunSections):
+    """An asynchronous GRPO run (the shared sections mean the same as in GRPOConfig)."""
 
-    policy: PolicyConfig = Field(
-        default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
-    )
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
-    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
     grpo: GRPOLoopConfig = Field(
         default_factory=GRPOLoopConfig,
         description="group size, advantages, overlong handling, validation and seed; the step size and "
@@ -109,9 +105,6 @@ class AsyncGRPORunConfig(Config):
         "call each (None: the larger of policy.microbatch.train_micro_batch_size and "
         "logprob_micro_batch_size; 1: one call per group)",
     )
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output_dir: str = "runs/grpo_async"
 
     @model_validator(mode="after")

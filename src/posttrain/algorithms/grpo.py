@@ -69,8 +69,8 @@ class GRPOLoopConfig(Config):
     seed: int = 0
 
 
-class GRPOConfig(Config):
-    """A GRPO run."""
+class GRPORunSections(Config):
+    """The sections every GRPO run has, synchronous or asynchronous (each means the same in both)."""
 
     policy: PolicyConfig = Field(
         default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
@@ -78,14 +78,19 @@ class GRPOConfig(Config):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
-    loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
     grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+class GRPOConfig(GRPORunSections):
+    """A synchronous GRPO run."""
+
+    loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
     colocated: bool = Field(
         True, description="trainer offloaded while the engine generates, engine asleep while training"
     )
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output_dir: str = "runs/grpo"
 
 

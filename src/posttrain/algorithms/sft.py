@@ -17,8 +17,9 @@ from posttrain.config import Config, dump_config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.logging import MetricsLogger, StepProgress, get_logger
 from posttrain.policy.config import PolicyConfig
+from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
-from posttrain.tasks.arithmetic import ArithmeticTaskConfig
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig, sft_examples
 from posttrain.tasks.build import TaskConfig, build_task
 from posttrain.tasks.task import SFTExample
 
@@ -80,8 +81,6 @@ def to_batch(examples: list[SFTExample], pad_id: int, multiple_of: int = 1):
 
 def heldout_examples(task, tokenizer) -> list[SFTExample]:
     """Held-out SFT examples (eval prompts with their answers) when the task has gold answers."""
-    from posttrain.tasks.arithmetic import sft_examples
-
     if task.eval is None or not all("answer" in it.metadata for it in task.eval):
         return []
     return sft_examples(task.eval, tokenizer)
@@ -99,11 +98,7 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     policy = policy or Policy(cfg.policy)
-    tokenizer = policy.group.workers[0].tokenizer if cfg.policy.cluster.backend == "local" else None
-    if tokenizer is None:
-        from posttrain.policy.model_init import build_tokenizer
-
-        tokenizer = build_tokenizer(cfg.policy.model)
+    tokenizer = build_tokenizer(cfg.policy.model)
     task = build_task(cfg.task, tokenizer)
     pad_id = tokenizer.pad_token_id or 0
     heldout = heldout_examples(task, tokenizer)
