@@ -406,3 +406,66 @@ def test_weight_loading_is_checked():
     engine.step()
     with pytest.raises(EngineStateError, match="sequences are decoding"):
         engine.load_weights(state, version=3)
+
+
+def test_packed_lm_head_follows_every_weight_change():
+    """The CPU engine applies the LM head from a packed copy of its weight; a copy-load, an in-place
+    update of shared weights (an optimizer step) and the blocked fallback all give what a fresh engine
+    on the same weights gives."""
+    prompts = prompts_of([4, 7, 3])
+    params = SamplingParams(max_new_tokens=8, seed=4, stop_at_eos=False)
+
+    def fresh(state) -> list[list[int]]:
+        engine = make_engine()
+        engine.load_weights(state, version=1)
+        return [r.token_ids for r in engine.generate(prompts, params)]
+
+    engine = make_engine(seed=0)
+    engine.generate(prompts, params)  # packs the seed-0 head
+    new_state = build_tiny_model(VOCAB, seed=30).state_dict()
+    engine.load_weights(new_state, version=1)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == fresh(new_state)
+
+    trainer = build_tiny_model(VOCAB, seed=31)
+    shared = make_engine()
+    shared.share_weights(trainer.state_dict(), version=1)
+    shared.generate(prompts, params)
+    with torch.no_grad():  # what an optimizer step does to the aliased tensors
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    assert [r.token_ids for r in shared.generate(prompts, params)] == fresh(trainer.state_dict())
+
+    hidden = torch.randn(5, trainer.config.hidden_size)
+    expected = trainer.lm_head(hidden)
+    torch.testing.assert_close(shared._head(hidden), expected, rtol=0, atol=1e-5)
+    shared._pack_failed, shared._packed = True, None  # a torch build without oneDNN
+    torch.testing.assert_close(shared._head(hidden), expected, rtol=0, atol=1e-5)
+
+
+def test_stepping_thread_drops_cancelled_results_and_reports_errors():
+    prompts = prompts_of([4, 6])
+    params = SamplingParams(max_new_tokens=30, seed=1, stop_at_eos=False)
+
+    async def cancel_one(engine):
+        slow = asyncio.ensure_future(engine.agenerate(prompts[0], params))
+        fast = engine.agenerate(prompts[1], params.model_copy(update={"max_new_tokens": 2}))
+        await asyncio.sleep(0)
+        slow.cancel()
+        await fast
+        while engine.has_unfinished():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the last delivery reaches the loop
+
+    engine = make_engine()
+    asyncio.run(asyncio.wait_for(cancel_one(engine), 60))
+    assert engine._parked == [] and engine._futures == {}
+
+    async def failing(engine):
+        def boom():
+            raise RuntimeError("decode exploded")
+
+        engine._decode = boom
+        await engine.agenerate(prompts[0], params)
+
+    with pytest.raises(RuntimeError, match="decode exploded"):
+        asyncio.run(asyncio.wait_for(failing(make_engine()), 30))

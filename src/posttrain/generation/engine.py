@@ -8,14 +8,15 @@ sequence frees its slot at once and the next waiting prompt takes it (continuous
 
 Three ways in: `generate(prompts, params)` blocks and returns results in prompt order (the
 synchronous loop); `submit()` + `step()` / `iter_results()` hand results back as they finish; and
-`agenerate()` / `astream()` do the same for asyncio code (steps run in a worker thread, so the event
-loop stays free to submit more). The engine starts no thread at construction, so it can be built
+`agenerate()` / `astream()` do the same for asyncio code (one stepping thread runs while there is
+work, so the event loop stays free to submit more). The engine starts no thread at construction, so it can be built
 inside a Ray actor (see generation/rollout.py).
 
 Departures from `transformers.generate`: a static per-slot cache instead of a growing
 `DynamicCache` (no concatenation per step), 4-D masks built by the engine (transformers uses them
-as they are), logits computed only at each prompt's last position during prefill, and
-counter-based per-request random streams (generation/sampler.py).
+as they are), logits computed only at each prompt's last position during prefill, counter-based
+per-request random streams (generation/sampler.py), and for plain-head families (Llama, Qwen2/3,
+Mistral) the LM head applied by the engine: on CPU through a oneDNN-packed copy of its weight.
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds
 class EngineStateError(RuntimeError):
     """The engine cannot do this now (asleep, weights missing, requests in flight); the message says
     which call fixes it."""
+
+
+_PLAIN_HEAD_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_HEAD_CHUNK = 4096  # vocabulary columns per LM-head matmul on CPU (the output block stays in cache)
+
+
+def _plain_head_body(model):
+    """The decoder body of a model whose logits are exactly `lm_head(body(...).last_hidden_state)`
+    (no bias, scaling or soft-capping), or None; for those the engine applies the LM head itself."""
+    head = model.get_output_embeddings()
+    config = model.config
+    plain = (
+        getattr(config, "model_type", None) in _PLAIN_HEAD_FAMILIES
+        and isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and getattr(config, "final_logit_softcapping", None) is None
+        and getattr(config, "logit_scale", None) is None
+    )
+    return getattr(model, "model", None) if plain else None
 
 
 def _check_supported(model, max_len: int) -> None:
@@ -83,6 +103,10 @@ class GenerationEngine:
         self.max_len = int(self.cfg.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN))
         _check_supported(model, self.max_len)
         self._lm_head = model.get_output_embeddings()
+        self._body = _plain_head_body(model)
+        self._packed: tuple[tuple, torch.Tensor] | None = None  # see _packed_head
+        self._head_source: torch.Tensor | None = None  # the trainer tensor a shared head aliases
+        self._pack_failed = not torch.backends.mkldnn.is_available()
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
@@ -110,7 +134,8 @@ class GenerationEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[int, asyncio.Future] = {}
-        self._driver: asyncio.Task | None = None
+        self._drive_lock = threading.Lock()
+        self._stepping = False  # a stepping thread is running (see _ensure_driver)
         self._admit_paused = False
         self.num_generated_tokens = 0
 
@@ -177,14 +202,16 @@ class GenerationEngine:
 
     def step(self) -> list[GenerationResult]:
         """Admit waiting prompts into free slots, decode one token for every slot; return what finished."""
+        done, self._parked = self._parked, []
+        return done + self._step_once()
+
+    def _step_once(self) -> list[GenerationResult]:
         with self._lock, torch.inference_mode():
             self._check_can_run()
-            done = self._parked
-            self._parked = []
             finished = self._admit()
             if self._active:
                 finished += self._decode()
-            return done + [r.result() for r in finished]
+            return [r.result() for r in finished]
 
     def iter_results(self) -> Iterator[GenerationResult]:
         """Step until nothing is left, yielding each result as it finishes."""
@@ -269,19 +296,66 @@ class GenerationEngine:
 
     def _forward_at(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
         """Logits [b, V] at position `last[i]` of each row, computing the LM head only there."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        if self._body is not None:
+            return self._head(self._hidden(ids, position_ids, mask)[rows, last])
         if self._lm_head is None:
-            logits = self._forward(ids, position_ids, mask)
-            return logits[torch.arange(ids.shape[0], device=ids.device), last]
+            return self._forward(ids, position_ids, mask)[rows, last]
 
         def pick(module, args):
-            hidden = args[0]
-            return (hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], *args[1:])
+            return (args[0][rows, last][:, None], *args[1:])
 
         handle = self._lm_head.register_forward_pre_hook(pick)
         try:
             return self._forward(ids, position_ids, mask)[:, 0]
         finally:
             handle.remove()
+
+    def _hidden(self, ids, position_ids, mask) -> torch.Tensor:
+        """Final hidden states [b, t, H] of the decoder body (plain-head models only)."""
+        out = self._body(
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states [n, H] -> logits [n, V]. On CPU it uses a oneDNN copy of the
+        weight packed for matmul (11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one
+        thread; packed again whenever the weight changes, in-place updates of shared weights included),
+        or vocabulary blocks into one output buffer where oneDNN is missing."""
+        weight = self._lm_head.weight
+        if hidden.device.type != "cpu" or hidden.shape[0] == 0:
+            return torch.nn.functional.linear(hidden, weight)
+        packed = self._packed_head(weight)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, weight.shape[0], _HEAD_CHUNK):
+            end = start + _HEAD_CHUNK
+            torch.mm(hidden, weight[start:end].t(), out=out[:, start:end])
+        return out
+
+    def _packed_head(self, weight: torch.Tensor):
+        """The oneDNN-packed LM-head weight, re-packed when the weight's storage or version changed;
+        None where this torch build or dtype has no packed fp32 linear."""
+        if self._pack_failed or weight.dtype != torch.float32:
+            return None
+        source = weight if self._head_source is None else self._head_source
+        key = (weight.data_ptr(), source._version, tuple(weight.shape))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.cfg.max_num_seqs)
+            except (AttributeError, RuntimeError) as e:  # no oneDNN in this build
+                log.info("oneDNN-packed LM head unavailable (%s); using blocked matmuls", e)
+                self._pack_failed = True
+                return None
+            self._packed = (key, packed)
+        return self._packed[1]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as an additive float one (0 / dtype min): sdpa takes its fast path
@@ -312,7 +386,10 @@ class GenerationEngine:
         pos = self._pos[:n]
         mask = self._additive(self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
         self.cache.plan_decode(n, pos, length)
-        logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
+        if self._body is not None:
+            logits = self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1])
+        else:
+            logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
         tokens, logprobs = sample(logits, self._rows, self._count[:n])
         self._last[:n] = tokens
         self._pos[:n] += 1
@@ -379,25 +456,49 @@ class GenerationEngine:
         return fut
 
     def _ensure_driver(self) -> None:
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
+        """Start the stepping thread unless it is running. It steps while there is work and hands
+        finished results to the event loop, so the loop stays free and no step waits on it."""
+        with self._drive_lock:
+            if self._stepping:
+                return
+            self._stepping = True
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._step_loop, args=(loop,), name="engine-steps", daemon=True).start()
 
-    async def _drive(self) -> None:
-        """Run steps in a worker thread while there is work; resolve the futures of finished requests."""
+    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            while self._active or (self._waiting and not self._admit_paused):
-                for res in await asyncio.to_thread(self.step):
-                    fut = self._futures.pop(res.request_id, None)
-                    if fut is None or fut.done():
-                        self._parked.append(res)
-                    else:
-                        fut.set_result(res)
-        except BaseException as e:
-            for fut in self._futures.values():
-                if not fut.done():
-                    fut.set_exception(e)
-            self._futures.clear()
-            raise
+            while True:
+                with self._drive_lock:
+                    if not (self._active or (self._waiting and not self._admit_paused)):
+                        self._stepping = False
+                        return
+                results = self._step_once()
+                if results:
+                    loop.call_soon_threadsafe(self._deliver, results)
+        except BaseException as e:  # hand the error to every waiter
+            with self._drive_lock:
+                self._stepping = False
+            log.error("generation step failed: %r", e)
+            try:
+                loop.call_soon_threadsafe(self._fail_all, e)
+            except RuntimeError:  # the loop is closed: nobody is waiting
+                pass
+
+    def _deliver(self, results: list[GenerationResult]) -> None:
+        """Resolve the futures of finished requests (on the event loop). A cancelled waiter's result is
+        dropped; a request submitted with submit() keeps its result for the next step()."""
+        for res in results:
+            fut = self._futures.pop(res.request_id, None)
+            if fut is None:
+                self._parked.append(res)
+            elif not fut.done():
+                fut.set_result(res)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._futures.clear()
 
     async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Load weights between requests: admission pauses, running sequences finish, weights load,
@@ -436,7 +537,11 @@ class GenerationEngine:
         lengths = torch.tensor([len(s) for s in chunk], device=self.device)
         # not self._arange: scoring is not bound by the KV cache's max_model_len
         valid = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-        logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
+        if self._body is not None:  # the generation path's LM head, so the probe check covers it
+            hidden = self._body(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
+            logits = self._head(hidden.reshape(-1, hidden.shape[-1])).view(*ids.shape, -1)
+        else:
+            logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
         lp = token_logprobs(logits[:, :-1].float() / temperature, ids[:, 1:])
         return (torch.nn.functional.pad(lp, (1, 0)) * valid).cpu()
 
@@ -461,6 +566,7 @@ class GenerationEngine:
                 t.data = torch.empty_like(t.data)
             self._shared = False
         self._weights_valid = False
+        self._head_source = None
         return WeightLoad(self)
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
@@ -485,6 +591,7 @@ class GenerationEngine:
             return load.finish(version)
 
     def _mark_loaded(self, version: int) -> None:
+        self._packed = None  # loads write through .data, which bumps no version counter
         self._weights_valid = True
         self.weight_version = int(version)
 
@@ -504,6 +611,7 @@ class GenerationEngine:
                 return {"bytes_released": 0.0}
             released = self.cache.nbytes()
             self.cache.free()
+            self._packed = None
             keep_host = keep_weights and not self._shared
             if not (keep_host and self.device.type == "cpu"):
                 released += self._release_params(keep_host)
@@ -540,4 +648,5 @@ class GenerationEngine:
                 else:
                     params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
             self._released = {}
+            self._packed = None
             self._sleeping = False

@@ -52,6 +52,12 @@ class WeightSyncConfig(Config):
         "auto", description="cross-process group backend; auto = nccl when CUDA is available, else gloo"
     )
     timeout_s: float = Field(300.0, gt=0, description="bound on every wait of a cross-process sync")
+    share: Literal["auto", "never"] = Field(
+        "auto",
+        description="in-process refit: auto = the engine aliases the trainer's tensors (zero copy) when "
+        "the loop allows it (trainer in this process, unsharded, same device and dtype as the engine, "
+        "device not time-shared); never = always copy",
+    )
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
 
     @property
@@ -416,6 +422,17 @@ class WeightSync:
                 worst = {k: max(v, worst.get(k, v)) for k, v in m.items()}
             metrics |= worst
         return metrics
+
+
+def can_share(policy, engine: GenerationEngine) -> bool:
+    """Whether `engine` can alias the trainer's tensors: the Policy runs one unsharded rank in this
+    process, on the engine's device, in the engine's dtype."""
+    if policy.cfg.cluster.backend != "local":
+        return False
+    params = list(_local_model(policy).parameters())
+    return all(
+        not isinstance(p, DTensor) and p.device == engine.device and p.dtype == engine.dtype for p in params
+    )
 
 
 def _local_model(policy) -> torch.nn.Module:
