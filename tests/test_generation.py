@@ -66,11 +66,21 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int) ->
 # ---------------------------------------------------------------------------- exactness
 
 
+def generic_path(engine: GenerationEngine) -> GenerationEngine:
+    """Turn off the Llama-family fast paths (own LM head, lean decode): the path every other model takes."""
+    engine._body = engine._lean = None
+    return engine
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_equals_transformers_generate(family):
+def test_greedy_equals_transformers_generate(family, path):
     prompts = prompts_of([5, 1, 12, 3, 9, 7, 2, 11])
     reference = build_tiny_model(VOCAB, seed=3, family=family).eval()
     engine = make_engine(family, seed=3, max_num_seqs=3)  # fewer slots than prompts: continuous batching
+    assert engine._lean is not None and engine._body is not None
+    if path == "generic":
+        generic_path(engine)
     results = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=20))
     expected = hf_greedy(reference, prompts, 20, eos=TOK.eos_token_id)
     assert [r.token_ids for r in results] == expected
@@ -87,9 +97,12 @@ def test_tied_embeddings_greedy_equals_transformers():
     assert [r.token_ids for r in results] == hf_greedy(reference, prompts, 12, eos=TOK.eos_token_id)
 
 
-def test_logprobs_equal_trainer_get_logprobs():
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_logprobs_equal_trainer_get_logprobs(path):
     policy = Policy(policy_cfg(logprob_temperature=0.7))
     engine = make_engine(seed=99)  # other weights: the sync below must replace all of them
+    if path == "generic":
+        generic_path(engine)
     engine.load_weights(policy.full_state_dict(), version=1)
     prompts = prompts_of([3, 8, 5, 12, 1, 6, 9, 4])
     results = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=10, seed=0))
@@ -469,3 +482,37 @@ def test_stepping_thread_drops_cancelled_results_and_reports_errors():
 
     with pytest.raises(RuntimeError, match="decode exploded"):
         asyncio.run(asyncio.wait_for(failing(make_engine()), 30))
+
+
+def test_qwen3_uses_the_generic_body_and_still_matches_transformers():
+    """Qwen3 normalizes queries and keys per head, which the lean decode step does not do: the engine
+    must notice and keep the Hugging Face body (its own LM head still applies)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    reference.load_state_dict(model.state_dict())
+    engine = GenerationEngine(model, TOK)
+    assert engine._lean is None and engine._body is not None
+    prompts = prompts_of([4, 9, 6])
+    results = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=10))
+    assert [r.token_ids for r in results] == hf_greedy(reference, prompts, 10, eos=TOK.eos_token_id)
+
+    gelu = build_tiny_model(VOCAB, seed=0)
+    gelu.config.hidden_act = "gelu"
+    assert GenerationEngine(gelu, TOK)._lean is None

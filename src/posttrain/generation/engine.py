@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 import torch
 
 from posttrain.generation.kv_cache import SlotKVCache
+from posttrain.generation.lean_decode import LeanDecoder
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
@@ -104,6 +105,7 @@ class GenerationEngine:
         _check_supported(model, self.max_len)
         self._lm_head = model.get_output_embeddings()
         self._body = _plain_head_body(model)
+        self._lean = LeanDecoder.for_model(model) if self._body is not None else None
         self._packed: tuple[tuple, torch.Tensor] | None = None  # see _packed_head
         self._head_source: torch.Tensor | None = None  # the trainer tensor a shared head aliases
         self._pack_failed = not torch.backends.mkldnn.is_available()
@@ -386,7 +388,9 @@ class GenerationEngine:
         pos = self._pos[:n]
         mask = self._additive(self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
         self.cache.plan_decode(n, pos, length)
-        if self._body is not None:
+        if self._lean is not None and self.cache.keys[0] is not None:
+            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
+        elif self._body is not None:
             logits = self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1])
         else:
             logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]

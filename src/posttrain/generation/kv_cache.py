@@ -65,10 +65,27 @@ class SlotKVCache:
             return key_states, value_states
         if self._mode == "decode":
             rows = self._row_index[: self._rows]
-            k[rows, :, self._positions] = key_states[:, :, 0]
-            v[rows, :, self._positions] = value_states[:, :, 0]
-            return k[: self._rows, :, : self._length], v[: self._rows, :, : self._length]
+            return self.write_decode(
+                layer_idx, rows, self._positions, key_states[:, :, 0], value_states[:, :, 0], self._length
+            )
         raise RuntimeError("SlotKVCache.update called without plan_prefill/plan_decode (engine bug)")
+
+    def write_decode(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one token's keys/values [n, kv_heads, head_dim] per slot `rows` at `positions`; return
+        the views [n, kv_heads, length, head_dim] to attend over (slots 0..n-1)."""
+        k, v = self.keys[layer], self.values[layer]
+        k[rows, :, positions] = keys
+        v[rows, :, positions] = values
+        n = keys.shape[0]
+        return k[:n, :, :length], v[:n, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Transformers asks this only when no position ids are passed; the engine always passes them."""
