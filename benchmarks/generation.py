@@ -10,6 +10,9 @@ Weight sync: seconds per GB of fp32 parameters, in-process (`load_weights`) and 
 spawned process over a gloo `WeightSyncGroup` (64 MiB buckets, timed until the engine has loaded).
 
     python benchmarks/generation.py [--quick] [--threads N]
+
+Both sides use torch's default intra-op threads (all cores) unless --threads says otherwise; without
+--quick an INFO line repeats the comparison with one thread each.
 """
 
 from __future__ import annotations
@@ -88,10 +91,11 @@ def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS)
 
 def throughput(vocab: int, repeats: int) -> tuple[float, float, float]:
     """Median tokens/s of the engine and of transformers (interleaved runs) and the median ratio."""
-    model = build_tiny_model(vocab, seed=0, **SHAPE).eval()
+    ours_model = build_tiny_model(vocab, seed=0, **SHAPE).eval()
+    ref_model = build_tiny_model(vocab, seed=0, **SHAPE).eval()  # same weights, untouched by the engine
     prompts = make_prompts(vocab)
-    ours, ref = engine_runner(model, prompts), hf_runner(model, prompts)
-    engine_runner(model, prompts, 2)(), hf_runner(model, prompts, 2)()  # warm-up (first-call costs)
+    ours, ref = engine_runner(ours_model, prompts), hf_runner(ref_model, prompts)
+    ours(), ref()  # warm-up (first-call costs, the engine's KV cache and packed LM head)
     t_ours, t_ref = [], []
     for _ in range(repeats):
         for fn, times in ((ref, t_ref), (ours, t_ours)):
@@ -162,13 +166,20 @@ def sync_across_processes(vocab: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repeats (< 1 minute)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both sides (default: torch's, all cores)",
+    )
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     repeats = 2 if args.quick else 5
     vocab = 32000
     print(f"model: tiny llama {SHAPE}, vocab {vocab}; batch {BATCH}, prompts 24-40, {NEW_TOKENS} new tokens")
-    print(f"threads {args.threads}, repeats {repeats} (interleaved), medians")
+    print(f"threads {threads}, repeats {repeats} (interleaved), medians")
     ours, ref, ratio = throughput(vocab, repeats)
     print(f"engine        {ours:10.1f} tok/s")
     print(f"transformers  {ref:10.1f} tok/s")
@@ -179,6 +190,14 @@ def main() -> None:
             f"INFO char vocab (79): engine {small_ours:.1f} tok/s, transformers {small_ref:.1f} tok/s, "
             f"ratio {small_ratio:.2f}x"
         )
+        if threads > 1:
+            torch.set_num_threads(1)
+            one_ours, one_ref, one_ratio = throughput(vocab, repeats)
+            torch.set_num_threads(threads)
+            print(
+                f"INFO one thread each: engine {one_ours:.1f} tok/s, transformers {one_ref:.1f} tok/s, "
+                f"ratio {one_ratio:.2f}x"
+            )
     local = sync_in_process(vocab, repeats)
     remote = sync_across_processes(vocab, 1 if args.quick else repeats)
     print(f"weight sync in-process          {local:.3f} s/GB")
