@@ -516,3 +516,22 @@ def test_qwen3_uses_the_generic_body_and_still_matches_transformers():
     gelu = build_tiny_model(VOCAB, seed=0)
     gelu.config.hidden_act = "gelu"
     assert GenerationEngine(gelu, TOK)._lean is None
+
+
+def test_repeated_prompts_are_prefilled_once_with_the_same_results():
+    """GRPO asks for n completions of each prompt: the engine prefills each distinct prompt once and
+    copies its keys/values, and every request still gets what it would get prefilled on its own."""
+    base = prompts_of([5, 9, 3])
+    prompts = [base[0]] * 4 + [base[1]] * 3 + [base[2]] + [base[0]]
+    params = SamplingParams(max_new_tokens=12, seed=3, stop_at_eos=False)
+    engine = make_engine(max_num_seqs=16)
+    prefilled = []
+    plan = engine.cache.plan_prefill
+    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+    got = engine.generate(prompts, params)
+    assert prefilled == [3]
+    alone = make_engine(max_num_seqs=16, max_prefill_tokens=1).generate(prompts, params)  # one per chunk
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    for a, b in zip(got, alone):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
+    assert len({tuple(r.token_ids) for r in got[:4]}) == 4  # own random streams: distinct completions

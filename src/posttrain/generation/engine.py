@@ -272,16 +272,35 @@ class GenerationEngine:
         return finished
 
     def _prefill(self, chunk: list[Request]) -> list[Request]:
-        n0, k = len(self._active), len(chunk)
-        width = max(len(r.prompt) for r in chunk)
-        rows = [r.prompt + [self.pad_token_id] * (width - len(r.prompt)) for r in chunk]
+        """Prefill a chunk of prompts into the next free slots and draw each one's first token.
+
+        Identical prompts (the n completions of one prompt in GRPO) are prefilled once: the distinct
+        prompts take the first slots, the repeats get a copy of their keys/values and of their logits,
+        and each request then draws with its own random stream."""
+        distinct: dict[tuple[int, ...], int] = {}
+        firsts, repeats = [], []
+        for r in chunk:
+            key = tuple(r.prompt)
+            if key in distinct:
+                repeats.append(r)
+            else:
+                distinct[key] = len(firsts)
+                firsts.append(r)
+        chunk = firsts + repeats
+        n0, k, u = len(self._active), len(chunk), len(firsts)
+        width = max(len(r.prompt) for r in firsts)
+        rows = [r.prompt + [self.pad_token_id] * (width - len(r.prompt)) for r in firsts]
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lengths = torch.tensor([len(r.prompt) for r in chunk], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in firsts], dtype=torch.long, device=self.device)
         ar = self._arange[:width]
         mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
-        self.cache.plan_prefill(n0, k)
+        self.cache.plan_prefill(n0, u)
         mask = self._additive(mask)[:, None]
-        logits = self._forward_at(ids, ar[None, :].expand(k, width), mask, lengths - 1)
+        logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
+        if repeats:
+            source = torch.tensor([distinct[tuple(r.prompt)] for r in chunk], device=self.device)
+            self.cache.copy_slots(source[u:] + n0, torch.arange(n0 + u, n0 + k, device=self.device), width)
+            logits, lengths = logits[source], lengths[source]
         for r in chunk:
             r.weight_version = self.weight_version
         self._active.extend(chunk)

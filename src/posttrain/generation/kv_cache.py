@@ -100,6 +100,13 @@ class SlotKVCache:
                 k[dst, :, :length] = k[src, :, :length]
                 v[dst, :, :length] = v[src, :, :length]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy the first `length` positions of slots `src` [m] into slots `dst` [m] (shared prompts)."""
+        for k, v in zip(self.keys, self.values):
+            if k is not None:
+                k[dst, :, :length] = k[src, :, :length]
+                v[dst, :, :length] = v[src, :, :length]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
