@@ -535,3 +535,19 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_results():
     for a, b in zip(got, alone):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
     assert len({tuple(r.token_ids) for r in got[:4]}) == 4  # own random streams: distinct completions
+
+
+def test_requests_gathered_in_one_loop_turn_are_admitted_together():
+    prompt = prompts_of([6])[0]
+    params = [SamplingParams(max_new_tokens=5, seed=i, stop_at_eos=False) for i in range(6)]
+    engine = make_engine(max_num_seqs=8)
+    prefilled = []
+    plan = engine.cache.plan_prefill
+    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+
+    async def main():
+        return await asyncio.gather(*(engine.agenerate(prompt, p) for p in params))
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert prefilled == [1] and engine.num_generated_tokens == 30  # one prefill row, six streams
+    assert len({tuple(r.token_ids) for r in results}) == 6

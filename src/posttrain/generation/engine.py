@@ -486,6 +486,11 @@ class GenerationEngine:
                 return
             self._stepping = True
         loop = asyncio.get_running_loop()
+        # started from the loop's next turn, so that requests submitted by coroutines scheduled in
+        # this turn (asyncio.gather over a group's completions) are admitted, and prefilled, together
+        loop.call_soon(self._start_stepping, loop)
+
+    def _start_stepping(self, loop: asyncio.AbstractEventLoop) -> None:
         threading.Thread(target=self._step_loop, args=(loop,), name="engine-steps", daemon=True).start()
 
     def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
