@@ -334,14 +334,7 @@ class GenerationEngine:
 
     def _hidden(self, ids, position_ids, mask) -> torch.Tensor:
         """Final hidden states [b, t, H] of the decoder body (plain-head models only)."""
-        out = self._body(
-            input_ids=ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        return out.last_hidden_state
+        return self._run(self._body, ids, position_ids, mask).last_hidden_state
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [n, H] -> logits [n, V]. On CPU it uses a oneDNN copy of the
@@ -385,14 +378,17 @@ class GenerationEngine:
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
     def _forward(self, ids, position_ids, mask) -> torch.Tensor:
-        out = self.model(
+        return self._run(self.model, ids, position_ids, mask).logits
+
+    def _run(self, module, ids, position_ids, mask):
+        """One Hugging Face forward through the slot cache (planned by the caller)."""
+        return module(
             input_ids=ids,
             position_ids=position_ids,
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
         )
-        return out.logits
 
     # ------------------------------------------------------------------ decode
 
