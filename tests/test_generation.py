@@ -421,10 +421,13 @@ def test_weight_loading_is_checked():
         engine.load_weights(state, version=3)
 
 
-def test_packed_lm_head_follows_every_weight_change():
+def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     """The CPU engine applies the LM head from a packed copy of its weight; a copy-load, an in-place
     update of shared weights (an optimizer step) and the blocked fallback all give what a fresh engine
     on the same weights gives."""
+    import posttrain.generation.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
     prompts = prompts_of([4, 7, 3])
     params = SamplingParams(max_new_tokens=8, seed=4, stop_at_eos=False)
 
@@ -448,6 +451,7 @@ def test_packed_lm_head_follows_every_weight_change():
             p.add_(torch.randn_like(p) * 0.3)
     assert [r.token_ids for r in shared.generate(prompts, params)] == fresh(trainer.state_dict())
 
+    assert shared._packed is not None
     hidden = torch.randn(5, trainer.config.hidden_size)
     expected = trainer.lm_head(hidden)
     torch.testing.assert_close(shared._head(hidden), expected, rtol=0, atol=1e-5)

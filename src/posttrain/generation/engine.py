@@ -52,6 +52,7 @@ class EngineStateError(RuntimeError):
 
 _PLAIN_HEAD_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _HEAD_CHUNK = 4096  # vocabulary columns per LM-head matmul on CPU (the output block stays in cache)
+_PACK_MIN_NUMEL = 1 << 20  # smaller LM heads: F.linear is as fast, and packing per sync is not free
 
 
 def _plain_head_body(model):
@@ -144,10 +145,22 @@ class GenerationEngine:
     # ------------------------------------------------------------------ requests
 
     def _make_request(
-        self, prompt: list[int], params: SamplingParams, stream_index: int, prompt_index: int | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stream_index: int,
+        prompt_index: int | None,
+        checked: dict | None = None,
     ) -> Request:
-        ids = check_prompt(prompt, self.vocab_size, self.max_len)
-        stops = stop_ids(params, self.vocab_size, self.eos_token_id)
+        """A validated request. `checked` memoizes validation over one call's repeated prompts/params."""
+        checked = {} if checked is None else checked
+        memo = (tuple(prompt), id(params))
+        if memo not in checked:
+            checked[memo] = (
+                check_prompt(prompt, self.vocab_size, self.max_len),
+                stop_ids(params, self.vocab_size, self.eos_token_id),
+            )
+        ids, stops = checked[memo]
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to GenerationEngine(model, tokenizer)")
         rid = next(self._ids)
@@ -177,7 +190,8 @@ class GenerationEngine:
             plist = params
         else:
             plist = [params or SamplingParams()] * len(prompts)
-        return [self._make_request(p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        checked: dict = {}
+        return [self._make_request(p, sp, i, i, checked) for i, (p, sp) in enumerate(zip(prompts, plist))]
 
     def submit(
         self,
@@ -356,7 +370,7 @@ class GenerationEngine:
     def _packed_head(self, weight: torch.Tensor):
         """The oneDNN-packed LM-head weight, re-packed when the weight's storage or version changed;
         None where this torch build or dtype has no packed fp32 linear."""
-        if self._pack_failed or weight.dtype != torch.float32:
+        if self._pack_failed or weight.dtype != torch.float32 or weight.numel() < _PACK_MIN_NUMEL:
             return None
         source = weight if self._head_source is None else self._head_source
         key = (weight.data_ptr(), source._version, tuple(weight.shape))
@@ -578,13 +592,14 @@ class GenerationEngine:
                 "(after generate() returns, or via load_weights_async() from asyncio code)"
             )
 
-    def begin_load(self) -> WeightLoad:
+    def begin_load(self, share: bool = False) -> WeightLoad:
         """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
-        to generate until `WeightLoad.finish(version)` has checked that every tensor arrived."""
+        to generate until `WeightLoad.finish(version)` has checked that every tensor arrived. With
+        `share` the tensors will be aliased, not copied (see share_weights)."""
         self._check_idle("load_weights")
         if self._sleeping:
             raise EngineStateError("load_weights() while asleep; call wake() first")
-        if self._shared:  # stop aliasing the trainer's tensors before writing into them
+        if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
             state = self.model.state_dict(keep_vars=True).values()
             for t in {id(t): t for t in state}.values():
                 t.data = torch.empty_like(t.data)
@@ -608,7 +623,7 @@ class GenerationEngine:
         """Point the engine's parameters at the given tensors (no copy): same shape, dtype and device
         required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
         with self._lock, torch.no_grad():
-            load = self.begin_load()
+            load = self.begin_load(share=True)
             for name, tensor in named_tensors(weights):
                 load.add(name, tensor, share=True)
             self._shared = True
