@@ -12,8 +12,11 @@ script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers
 completions per step of 32 new tokens (a random model rarely stops early), an engine that decodes 64
 sequences at a time (two waves per step), training micro-batches of 32 rows, arithmetic prompts,
 rewards computed but (random model) all zero, which changes no timing. Timed: the training loop only
-(model, engine and actor start-up excluded for both); the asynchronous time also includes filling the
-pipeline, the initial weight push and cancelling the requests in flight at the end.
+(model, engine and actor start-up excluded for both, and so is the first weight load: the synchronous
+set-up syncs its engine, the asynchronous one pushes the policy's weights to its rollout actor); the
+asynchronous time also includes filling the pipeline and cancelling the requests in flight at the end.
+Both loops skip the prev-logprob forward (one optimizer step per step: the loss takes them from its
+training forward); the asynchronous one keeps its truncated importance sampling.
 
     python benchmarks/async_vs_sync.py [--quick] [--steps N] [--repeats R]
 """
@@ -104,7 +107,7 @@ def parallel_capacity(seconds: float) -> tuple[float, float]:
 
 def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo), with
-    its own default loss: on-policy, no importance sampling, so it skips the prev-logprob pass."""
+    its own default loss: on-policy, no importance sampling; it skips the prev-logprob pass."""
     sync_cfg = sync_equivalent(cfg).model_copy(update={"loss": ClippedPGConfig()})
     run = grpo.setup(sync_cfg, None)
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -121,7 +124,7 @@ def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
 
 
 def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
-    """The asynchronous loop (setup, i.e. policy, engine actor and its model, not timed)."""
+    """The asynchronous loop (setup, i.e. policy, engine actor, its model and first weights, not timed)."""
     import ray
 
     run = setup(cfg)

@@ -1,7 +1,7 @@
 """GRPO end to end: posttrain's `run_grpo` vs TRL's `GRPOTrainer`, same model, task and settings.
 
-Both sides start from the same SFT warm start of the tiny model (posttrain SFT on the arithmetic task,
-run once here) and train with the same prompts per step, generations per prompt, completion length,
+Both sides start from the same SFT warm start of the tiny model (posttrain SFT on the demo's
+arithmetic task, a + b with operands 0..19, run once here) and train with the same prompts per step, generations per prompt, completion length,
 temperature, learning rate (constant), clip epsilon, no KL term, token-level loss mean, grad-norm clip,
 one optimizer step per generation batch and the same number of steps.
 
@@ -24,6 +24,11 @@ loss_type="dapo" (masked token sum over the generation batch / its token count) 
 token-level mean; scale_rewards="group" is normalize_rewards; beta=0 is reference_policy_kl_penalty=0;
 epsilon is ratio_clip_min = ratio_clip_max; lr_scheduler_type="constant" is posttrain's empty schedule.
 
+posttrain otherwise runs with its defaults, which on this one-process CPU run means: the engine aliases
+the trainer's weights (weight_sync.share=auto: a sync copies nothing, the probe check still runs),
+colocation moves nothing (host memory is shared), and each prompt group's prompt runs once in the
+training forward (microbatch.share_prefix: same logprobs and gradients, about half the tokens here).
+
     python benchmarks/vs_trl.py [--quick]      # needs trl: pip install -e .[bench]
 """
 
@@ -41,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line  # noqa: E402
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+# the demo's task: a + b for a, b in 0..19 (400 problems, 80 held out), where GRPO measurably helps
+TASK = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
 WAIT_S = 900.0  # bound on waiting for the other side (it crashed if this runs out)
 
 
@@ -67,14 +74,14 @@ class Setting:
 
 
 QUICK = Setting(sft_steps=10, prompts_per_step=4, generations=4, max_new_tokens=4, steps=4, seeds=(0,))
-FULL = Setting(sft_steps=120, prompts_per_step=16, generations=8, max_new_tokens=4, steps=40, seeds=(0, 1, 2))
+FULL = Setting(sft_steps=150, prompts_per_step=16, generations=8, max_new_tokens=4, steps=40, seeds=(0, 1, 2))
 
 
 def _task(tokenizer):
     from posttrain.tasks.arithmetic import ArithmeticTaskConfig
     from posttrain.tasks.build import build_task
 
-    return build_task(ArithmeticTaskConfig(), tokenizer)
+    return build_task(ArithmeticTaskConfig.model_validate(TASK), tokenizer)
 
 
 class Lockstep:
@@ -113,6 +120,7 @@ def warm_start(s: Setting, out: Path) -> Path:
                 "optimizer": {"lr": s.sft_lr},
                 "init_reference_model": False,
             },
+            "task": TASK,
             "max_num_steps": s.sft_steps,
             "val_period": 0,
             "output_dir": str(out),
@@ -144,6 +152,7 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep
                 "logprob_temperature": s.temperature,
                 "init_reference_model": False,
             },
+            "task": TASK,
             "generation": {"max_num_seqs": n},
             "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature},
             "loss": {

@@ -42,6 +42,7 @@ def make(
     trainer: FakeTrainer | None = None,
     prepare=None,
     codec: SamplesCodec | None = None,
+    batched: bool = False,
     **overrides,
 ) -> tuple[AsyncGRPOController, FakeTrainer, list[FakeRolloutWorker]]:
     cfg = dict(
@@ -56,7 +57,9 @@ def make(
         shutdown_timeout_s=1.0,
     )
     cfg.update(overrides)
-    workers = workers if workers is not None else [FakeRolloutWorker(f"w{i}") for i in range(2)]
+    workers = (
+        workers if workers is not None else [FakeRolloutWorker(f"w{i}", batched=batched) for i in range(2)]
+    )
     trainer = trainer if trainer is not None else FakeTrainer()
     ctrl = AsyncGRPOController(
         AsyncGRPOConfig(**cfg),
@@ -102,8 +105,11 @@ def test_arrival_order():
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
-def test_staleness_bound_never_exceeded(max_staleness):
-    workers = [FakeRolloutWorker(f"w{i}", latency=jittered(0.002, 0.02, seed=i)) for i in range(3)]
+@pytest.mark.parametrize("batched", [False, True])
+def test_staleness_bound_never_exceeded(max_staleness, batched):
+    workers = [
+        FakeRolloutWorker(f"w{i}", latency=jittered(0.002, 0.02, seed=i), batched=batched) for i in range(3)
+    ]
     trainer = FakeTrainer(train_latency=0.002, finish_latency=0.01)
     ctrl, trainer, _ = make(
         48,
@@ -219,14 +225,88 @@ def test_straggler_within_staleness_is_trained_late():
     check_ledger(ctrl, trainer)
 
 
+def test_a_batched_worker_gets_every_group_that_fits_in_one_call():
+    """Groups that fit (worker room, outstanding cap) go out in one generate_groups call."""
+    worker = FakeRolloutWorker("w0", batched=True)
+    ctrl, trainer, _ = make(16, [worker], max_staleness=1, max_in_flight_per_worker=4)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 4 and summary.data_exhausted
+    assert worker.batch_sizes[0] == 4 and max(worker.batch_sizes) == 4
+    assert sum(worker.batch_sizes) == 16 and len(worker.batch_sizes) < 16
+    assert sorted(trained_prompts(trainer)) == list(range(16))
+    assert worker.max_active <= 4
+    check_workers([worker])
+    check_ledger(ctrl, trainer)
+
+
+def test_a_failing_batched_call_counts_as_one_worker_error():
+    """An unexplained error fails the call's groups (retried) but is one error of the worker, not one
+    per group: with max_consecutive_worker_errors=2 one failed call of 4 groups keeps the worker."""
+
+    class FlakyOnce(FakeRolloutWorker):
+        async def _generate_groups(self, prompts, weight_version):
+            if not self.batch_sizes:
+                self.batch_sizes.append(len(prompts))
+                raise ValueError("transient")
+            return await super()._generate_groups(prompts, weight_version)
+
+    worker = FlakyOnce("w0", batched=True)
+    ctrl, trainer, _ = make(8, [worker], max_in_flight_per_worker=4, max_consecutive_worker_errors=2)
+    summary = bounded_run(ctrl.run())
+    assert summary.dead_workers == {} and summary.totals["retried"] == 4
+    assert worker.batch_sizes[0] == 4
+    assert sorted(trained_prompts(trainer)) == list(range(8))
+    check_ledger(ctrl, trainer)
+
+
+def test_a_batched_answer_of_the_wrong_length_stops_the_run():
+    class Short(FakeRolloutWorker):
+        async def _generate_groups(self, prompts, weight_version):
+            return (await super()._generate_groups(prompts, weight_version))[:-1]
+
+    ctrl, trainer, _ = make(8, [Short("w0", batched=True)], max_in_flight_per_worker=4)
+    with pytest.raises(AsyncGRPOError, match="for 4 prompts with list .*one GroupResult per prompt") as e:
+        bounded_run(ctrl.run())
+    assert not isinstance(e.value, NoRolloutWorkersError)  # a broken contract stops at once
+    assert not trainer.open and ctrl.pool.dead_workers() == {}
+    check_ledger(ctrl, trainer)
+
+
+def test_weights_are_exported_once_per_version_and_not_after_the_last_step():
+    ctrl, trainer, workers = make(16, num_steps=3)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 3
+    assert [e[1] for e in trainer.events if e[0] == "export"] == [0, 1, 2]  # version 3 is never used
+    assert all(w.weight_updates == [0, 1, 2][: len(w.weight_updates)] for w in workers)
+
+
+def test_preloaded_weights_start_the_run_without_a_push():
+    """Workers that already hold the trainer's weights (pushed at set-up) generate at once."""
+    workers = [FakeRolloutWorker(f"w{i}") for i in range(2)]
+    for w in workers:
+        bounded_run(w.set_weights(0, {"version": 0}))
+    ctrl, trainer, _ = make(16, workers, num_steps=2)
+    ctrl.weights_preloaded(0, {"version": 0})
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 2
+    assert [e[1] for e in trainer.events if e[0] == "export"] == [1]
+    assert all(w.weight_updates[0] == 0 and w.weight_updates.count(0) == 1 for w in workers)
+    assert summary.totals["weight_pushes"] == sum(len(w.weight_updates) - 1 for w in workers)
+    check_workers(workers)
+    check_ledger(ctrl, trainer)
+    with pytest.raises(ValueError, match="preloaded weights are version 5"):
+        make(8)[0].weights_preloaded(5, {"version": 5})
+
+
 # --------------------------------------------------------------------------- failures
 
 
-def test_worker_death_with_retry():
+@pytest.mark.parametrize("batched", [False, True])
+def test_worker_death_with_retry(batched):
     workers = [
-        FakeRolloutWorker("w0", die_on_call=2),
-        FakeRolloutWorker("w1", latency=0.02),
-        FakeRolloutWorker("w2", latency=0.01),
+        FakeRolloutWorker("w0", die_on_call=2, batched=batched),
+        FakeRolloutWorker("w1", latency=0.02, batched=batched),
+        FakeRolloutWorker("w2", latency=0.01, batched=batched),
     ]
     ctrl, trainer, _ = make(24, workers, max_staleness=6, max_outstanding_groups=12)
     summary = bounded_run(ctrl.run())
@@ -237,8 +317,12 @@ def test_worker_death_with_retry():
     check_ledger(ctrl, trainer)
 
 
-def test_worker_timeout_is_retired_and_its_groups_retried():
-    workers = [FakeRolloutWorker("w0", hang_on_calls={1}), FakeRolloutWorker("w1")]
+@pytest.mark.parametrize("batched", [False, True])
+def test_worker_timeout_is_retired_and_its_groups_retried(batched):
+    workers = [
+        FakeRolloutWorker("w0", hang_on_calls={1}, batched=batched),
+        FakeRolloutWorker("w1", batched=batched),
+    ]
     ctrl, trainer, _ = make(12, workers, max_staleness=6, request_timeout_s=0.3)
     start = time.monotonic()
     summary = bounded_run(ctrl.run())
@@ -257,8 +341,11 @@ def test_weight_push_failure_retires_the_worker():
 
 
 @pytest.mark.parametrize("raise_failures", [False, True])
-def test_failed_generations_are_retried_never_trained(raise_failures):
-    workers = [FakeRolloutWorker("w0", fail_prompts={1: 1, 2: 2}, raise_failures=raise_failures)]
+@pytest.mark.parametrize("batched", [False, True])
+def test_failed_generations_are_retried_never_trained(raise_failures, batched):
+    workers = [
+        FakeRolloutWorker("w0", fail_prompts={1: 1, 2: 2}, raise_failures=raise_failures, batched=batched)
+    ]
     ctrl, trainer, _ = make(8, workers, max_staleness=4)
     summary = bounded_run(ctrl.run())
     assert sorted(trained_prompts(trainer)) == list(range(8))
@@ -267,8 +354,12 @@ def test_failed_generations_are_retried_never_trained(raise_failures):
     check_ledger(ctrl, trainer)
 
 
-def test_retry_budget_exhausted_is_a_clear_error():
-    workers = [FakeRolloutWorker("w0", fail_prompts={3: 10}), FakeRolloutWorker("w1", fail_prompts={3: 10})]
+@pytest.mark.parametrize("batched", [False, True])
+def test_retry_budget_exhausted_is_a_clear_error(batched):
+    workers = [
+        FakeRolloutWorker("w0", fail_prompts={3: 10}, batched=batched),
+        FakeRolloutWorker("w1", fail_prompts={3: 10}, batched=batched),
+    ]
     ctrl, trainer, _ = make(8, workers, max_retries=2)
     with pytest.raises(RetryBudgetExhausted, match=r"prompt 3\) failed 3 times, more than max_retries=2"):
         bounded_run(ctrl.run())
@@ -294,8 +385,12 @@ def test_retry_budget_exhausted_drop_mode_goes_on():
     assert summary.totals["failed"] == 1 and summary.groups["failed"] == 1
 
 
-def test_all_workers_dead_is_a_clear_error():
-    workers = [FakeRolloutWorker("w0", die_on_call=1), FakeRolloutWorker("w1", die_on_call=2)]
+@pytest.mark.parametrize("batched", [False, True])
+def test_all_workers_dead_is_a_clear_error(batched):
+    workers = [
+        FakeRolloutWorker("w0", die_on_call=1, batched=batched),
+        FakeRolloutWorker("w1", die_on_call=2, batched=batched),
+    ]
     ctrl, trainer, _ = make(16, workers, max_retries=10)
     with pytest.raises(NoRolloutWorkersError, match="0 rollout worker.*worker 0: .*died"):
         bounded_run(ctrl.run())
@@ -371,9 +466,12 @@ def test_fake_trainer_abort_is_idempotent_and_keeps_version():
 
 
 @pytest.mark.parametrize("with_codec", [False, True])
-def test_state_dict_resume_trains_every_prompt_once(with_codec):
+@pytest.mark.parametrize("batched", [False, True])
+def test_state_dict_resume_trains_every_prompt_once(with_codec, batched):
     codec = SamplesCodec(encode=lambda s: s, decode=lambda s: s) if with_codec else None
-    ctrl, trainer, _ = make(24, codec=codec, num_steps=2, max_staleness=8, max_outstanding_groups=12)
+    ctrl, trainer, _ = make(
+        24, codec=codec, batched=batched, num_steps=2, max_staleness=8, max_outstanding_groups=12
+    )
     bounded_run(ctrl.run())
     state = json.loads(json.dumps(ctrl.state_dict()))
     assert state["step"] == 2 and state["trainer_version"] == 2
@@ -381,7 +479,12 @@ def test_state_dict_resume_trains_every_prompt_once(with_codec):
     first = trained_prompts(trainer)
 
     resumed, trainer2, workers2 = make(
-        24, trainer=FakeTrainer(start_version=2), codec=codec, max_staleness=8, max_outstanding_groups=12
+        24,
+        trainer=FakeTrainer(start_version=2),
+        codec=codec,
+        batched=batched,
+        max_staleness=8,
+        max_outstanding_groups=12,
     )
     resumed.load_state_dict(state)
     summary = bounded_run(resumed.run())

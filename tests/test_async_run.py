@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import pickle
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from posttrain.algorithms.async_engine_worker import (
     EngineRolloutWorker,
@@ -90,7 +92,8 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
 
     def payload(version: int, probe=None) -> WeightsPayload:
         probe = sync.trainer_probe(policy) if probe is None else probe
-        return WeightsPayload(version, policy.full_state_dict(), probe, 1.0)
+        # as it reaches a Ray actor: pickled (numpy bytes) and unpickled
+        return pickle.loads(pickle.dumps(WeightsPayload(version, policy.full_state_dict(), probe, 1.0)))
 
     async def body():
         await worker.set_weights(3, payload(3))
@@ -98,6 +101,13 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         b = await worker.generate_group(prompt, 3)
         assert a.weight_version == 3 and a.num_samples == 4 and a.error is None
         assert [r.token_ids for r in a.samples.results] == [r.token_ids for r in b.samples.results]
+        # several groups in one call draw what they draw one by one (a retry may go either way)
+        other = worker.task.train.items[1]
+        both = await worker.generate_groups([other, prompt], 3)
+        alone = await worker.generate_group(other, 3)
+        assert [r.token_ids for r in both[1].samples.results] == [r.token_ids for r in a.samples.results]
+        assert [r.token_ids for r in both[0].samples.results] == [r.token_ids for r in alone.samples.results]
+        assert [g.samples.prompt_id for g in both] == [other.prompt_id, prompt.prompt_id]
         assert all(r.weight_version == 3 for r in a.samples.results)
         assert len(a.samples.rewards) == len(a.samples.failed) == 4
         assert a.samples.metrics["weight_sync/probe_max_abs_diff"] < 1e-4
@@ -106,6 +116,25 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
 
     asyncio.run(asyncio.wait_for(body(), 60))
     policy.shutdown()
+
+
+def test_weights_payload_pickles_as_bytes_and_back_exactly():
+    """Every dtype (bf16 too), 0-d and non-contiguous tensors, with and without probe logprobs."""
+    state = {
+        "w": torch.randn(3, 4),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "strided": torch.randn(4, 6)[:, ::2],
+        "ids": torch.arange(7),
+    }
+    for probe in (None, torch.randn(2, 5)):
+        back = pickle.loads(pickle.dumps(WeightsPayload(3, state, probe, 0.7)))
+        assert (back.version, back.temperature) == (3, 0.7)
+        assert back.state.keys() == state.keys()
+        for k, v in state.items():
+            assert back.state[k].dtype == v.dtype and back.state[k].shape == v.shape, k
+            assert torch.equal(back.state[k], v), k
+        assert probe is None and back.probe_logprobs is None or torch.equal(back.probe_logprobs, probe)
 
 
 @pytest.fixture
@@ -145,6 +174,10 @@ def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group
         assert batch["sample_mask"].tolist() == [0.0] * 4 + [1.0] * 4
         with pytest.raises(RolloutFailure, match="reward of prompt"):
             await strict.generate_group(even, 0)
+        # in one call of several groups, the failing group alone comes back failed (it is retried)
+        failed, fine = await strict.generate_groups([even, odd], 0)
+        assert failed.error is not None and "reward of prompt" in failed.error
+        assert fine.error is None and fine.samples.rewards == [1.0] * 4
 
     asyncio.run(asyncio.wait_for(body(), 60))
 
@@ -194,6 +227,43 @@ def test_local_run_logs_validates_checkpoints_and_resumes(tmp_path):
         assert r["train/importance_weight"] > 0 and 0 <= r["staleness/max"] <= 1
         assert r["weight_sync/probe_max_abs_diff"] < 1e-4 and not math.isnan(r["reward"])
     assert (out / "checkpoints" / "step_4" / "metadata.json").is_file()
+
+
+def test_skipping_the_prev_logprob_pass_trains_exactly_like_computing_it(tmp_path, monkeypatch):
+    """A step is one optimizer step, so the trainer's prev logprobs are its training forward's own:
+    recompute_prev_logprobs=auto (the loss takes them from there, IS weights included) trains like
+    always (a separate forward per chunk). One rollout worker and one call per step keep the groups
+    of each step identical in both runs."""
+    runs, forwards = {}, {}
+    get_logprobs = Policy.get_logprobs
+
+    def counted(self, batch, *args, **kwargs):
+        forwards[mode] = forwards.get(mode, 0) + 1
+        return get_logprobs(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Policy, "get_logprobs", counted)
+    for mode in ("auto", "always"):
+        cfg = small_cfg(
+            tmp_path / mode,
+            f"grpo.recompute_prev_logprobs={mode}",
+            "async_grpo.num_steps=3",
+            "async_grpo.max_staleness=0",
+            "async_grpo.max_in_flight_per_worker=4",
+            "grpo.val_period=0",
+            "grpo.val_at_start=false",
+            "checkpointing.enabled=false",
+        )
+        summary = run_async_grpo(cfg)
+        # the worker got version 0 at set-up, then 1 and 2; nothing is exported after the last step
+        assert summary["summary/total_weight_pushes"] == 2
+        runs[mode] = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/loss" in r]
+    assert len(runs["auto"]) == len(runs["always"]) == 3
+    assert forwards["always"] >= forwards.get("auto", 0) + 3  # a prev-logprob pass per step at least
+    for a, b in zip(runs["auto"], runs["always"]):
+        assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]
+        for key in ("loss", "importance_weight", "token_mult_prob_error", "probs_ratio"):
+            assert a[f"train/{key}"] == pytest.approx(b[f"train/{key}"], rel=1e-5, abs=1e-7), key
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
 
 
 # --------------------------------------------------------------------------- against the sync loop

@@ -555,3 +555,26 @@ def test_requests_gathered_in_one_loop_turn_are_admitted_together():
     results = asyncio.run(asyncio.wait_for(main(), 60))
     assert prefilled == [1] and engine.num_generated_tokens == 30  # one prefill row, six streams
     assert len({tuple(r.token_ids) for r in results}) == 6
+
+
+def test_an_engine_serves_one_event_loop_after_another():
+    """asyncio.run() twice on one engine (a Ray actor's loop restarted, or a script calling asyncio.run
+    per phase): the second loop gets its results even if the first one ended with work in flight."""
+    prompts = prompts_of([4, 6, 5])
+    params = SamplingParams(max_new_tokens=6, seed=2, stop_at_eos=False)
+    expected = [r.token_ids for r in make_engine().generate(prompts, params)]
+    engine = make_engine()
+
+    async def abandon():  # leaves a long request in flight when the loop ends
+        asyncio.ensure_future(engine.agenerate(prompts[0], params.model_copy(update={"max_new_tokens": 40})))
+        await asyncio.sleep(0)
+
+    async def run_all():
+        return await asyncio.gather(
+            *(engine.agenerate(p, params, stream_index=i) for i, p in enumerate(prompts))
+        )
+
+    asyncio.run(abandon())
+    for _ in range(2):
+        results = asyncio.run(asyncio.wait_for(run_all(), 30))
+        assert [r.token_ids for r in results] == expected

@@ -160,3 +160,29 @@ def test_skipping_the_on_policy_prev_logprob_pass_does_not_change_training(tmp_p
         assert a["reward"] == b["reward"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+
+
+def test_engine_sharing_the_trainer_weights_trains_like_copying_them(tmp_path):
+    """On one CPU process the engine aliases the trainer's tensors (no bytes copied per sync, probe
+    still checked); the run is the same as one that copies the weights at every sync."""
+    runs = {}
+    for share in ("auto", "never"):
+        cfg = small_cfg(
+            tmp_path / share,
+            f"weight_sync.share={share}",
+            "grpo.max_num_steps=3",
+            "checkpointing.enabled=false",
+            "grpo.val_period=0",
+            "grpo.val_at_start=false",
+        )
+        run_grpo(cfg)
+        runs[share] = [r for r in read_metrics(tmp_path / share / "metrics.jsonl") if "train/loss" in r]
+    assert all(r["weight_sync/bytes"] == 0 for r in runs["auto"])
+    assert all(r["weight_sync/bytes"] > 0 for r in runs["never"])
+    for a, b in zip(runs["auto"], runs["never"], strict=True):
+        assert a["weight_sync/probe_max_abs_diff"] < 1e-5 and b["weight_sync/probe_max_abs_diff"] < 1e-5
+        assert (a["reward"], a["train/loss"], a["train/grad_norm"]) == (
+            b["reward"],
+            b["train/loss"],
+            b["train/grad_norm"],
+        )

@@ -122,6 +122,51 @@ def test_disable_ppo_ratio_and_force_on_policy():
     assert float(loss_on) == pytest.approx(float((-batch["advantages"] * mask).sum() / mask.sum()), rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop"},
+        {"use_importance_sampling_correction": True, "reference_policy_kl_penalty": 0.3},
+        {"use_importance_sampling_correction": True, "token_level_loss": False, "ratio_clip_c": 3.0},
+    ],
+)
+def test_force_on_policy_equals_explicit_prev_logprobs_of_the_same_weights(options):
+    """One optimizer step at the weights that made prev_logprobs: prev == the training logprobs. The
+    forced ratio takes them from the training forward (no prev_logprobs in the batch) and must give
+    the same loss, gradient and metrics, bit for bit, IS weights and mismatch metrics included."""
+    batch, lp, _ = setup()
+    # the generation logprobs lie far enough from lp that TIS caps and icepop zeroes some weights
+    batch["generation_logprobs"] = lp - torch.linspace(-1.5, 1.5, 10)
+    explicit = batch.clone()
+    explicit["prev_logprobs"] = lp.clone()
+    forced = batch.clone()
+    del forced["prev_logprobs"]
+    lp_a, lp_b = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    loss_a, metrics_a = call(ClippedPGLoss(**options), lp_a, explicit)
+    forced_fn = ClippedPGLoss(**options, force_on_policy_ratio=True)
+    assert "prev_logprobs" not in forced_fn.required_keys
+    assert "prev_logprobs" in ClippedPGLoss(**options).required_keys
+    loss_b, metrics_b = call(forced_fn, lp_b, forced)
+    (grad_a,) = torch.autograd.grad(loss_a, lp_a)
+    (grad_b,) = torch.autograd.grad(loss_b, lp_b)
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+    torch.testing.assert_close(grad_b, grad_a, rtol=0, atol=0)
+    assert metrics_b.keys() == metrics_a.keys()
+    for k in metrics_a:
+        torch.testing.assert_close(metrics_b[k], metrics_a[k], rtol=0, atol=0, msg=k)
+    assert float(grad_a.abs().sum()) > 0
+    if options.get("use_importance_sampling_correction"):
+        # the weights are exp(lp - gen), not 1: the gradient differs from the uncorrected one
+        assert float(metrics_b["importance_weight"]) != pytest.approx(1.0, abs=1e-3)
+        assert float(metrics_b["token_mult_prob_error"]) > 1.1
+        plain = ClippedPGLoss(**(options | {"use_importance_sampling_correction": False}))
+        lp_c = lp.clone().requires_grad_(True)
+        (grad_c,) = torch.autograd.grad(call(plain, lp_c, explicit)[0], lp_c)
+        assert not torch.allclose(grad_c, grad_b)
+
+
 def test_nll_token_and_sequence_level():
     batch, lp, mask = setup()
     loss, _ = call(NLLLoss(), lp, batch)

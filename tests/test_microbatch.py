@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from conftest import random_batch
-from helpers import policy_cfg
-from posttrain.data.microbatch import block_causal_mask, make_microbatches
+from helpers import assert_params_close, params_of, policy_cfg
+from posttrain.data.batch import batch_from_sequences, trim_to_longest
+from posttrain.data.microbatch import (
+    GroupedRows,
+    SharedPrefix,
+    block_causal_mask,
+    make_microbatches,
+    plan_shared_prefix,
+)
 from posttrain.models.hf import build_tiny_model
 from posttrain.models.logprobs import microbatch_logprobs
 from posttrain.policy.policy import Policy
@@ -73,3 +80,111 @@ def test_uneven_microbatch_counts_across_ranks_do_not_deadlock(ray_session):
     local.train(batch, NLLLoss())
     torch.testing.assert_close(lp, local.get_logprobs(batch), rtol=1e-5, atol=1e-5)
     policy.shutdown()
+
+
+def grouped_batch(groups: int = 3, per_group: int = 4, seed: int = 7):
+    """GRPO-shaped rows: prompts of different lengths, each followed by completions of uneven lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for i in range(groups):
+        prompt = torch.randint(4, 70, (3 + 2 * i,), generator=g).tolist()
+        for _ in range(per_group):
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            prompts.append(prompt)
+            completions.append(torch.randint(4, 70, (n,), generator=g).tolist())
+    batch = batch_from_sequences(prompts, completions)
+    batch["sample_mask"][1] = 0.0
+    return batch
+
+
+def _plain_and_shared(batch, plan):
+    plain = make_microbatches(batch, "fixed", size=len(batch))[0]
+    shared = make_microbatches(batch, "fixed", size=len(batch))[0]
+    shared.shared = plan
+    return plain, shared
+
+
+@pytest.mark.parametrize("kind", ["grouped", "two_calls"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_logprobs_and_gradients_equal_plain(kind, temperature):
+    batch = grouped_batch()
+    plan = plan_shared_prefix(batch, force=kind == "two_calls")
+    assert isinstance(plan, GroupedRows if kind == "grouped" else SharedPrefix)
+    plain, shared = _plain_and_shared(batch, plan)
+    model = build_tiny_model(79, seed=0)
+    weights = torch.randn(batch["input_ids"].shape)
+    results = []
+    for mb in (plain, shared):
+        model.zero_grad()
+        lp = microbatch_logprobs(model, mb, temperature)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp_plain, g_plain), (lp_shared, g_shared) = results
+    torch.testing.assert_close(lp_shared, lp_plain, rtol=1e-5, atol=1e-5)
+    assert (lp_shared[batch["token_mask"] > 0] != 0).all()  # every completion token scored
+    for name in g_plain:
+        torch.testing.assert_close(g_shared[name], g_plain[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_shared_prefix_plan_only_when_it_saves_tokens():
+    assert isinstance(plan_shared_prefix(grouped_batch(groups=2, per_group=8)), GroupedRows)
+    assert plan_shared_prefix(random_batch(8, 16)) is None  # every prompt differs
+    # one group too long for a single row: the two-call plan
+    long = batch_from_sequences([[5] * 300] * 4, [[6] * 300] * 4)
+    assert isinstance(plan_shared_prefix(long), SharedPrefix)
+    mbs = make_microbatches(grouped_batch(), "fixed", size=4, share_prefix=True)
+    assert all(isinstance(mb.shared, GroupedRows) for mb in mbs)
+
+
+def test_policy_step_with_shared_prefixes_equals_plain():
+    from posttrain.algorithms.losses import ClippedPGLoss
+
+    batch = grouped_batch(groups=2, per_group=4)
+    g = torch.Generator().manual_seed(1)
+    valid = batch["token_mask"]
+    batch["advantages"] = torch.randn(8, 1, generator=g) * valid
+    batch["generation_logprobs"] = -torch.rand(valid.shape, generator=g) * valid
+    batch["prev_logprobs"] = batch["generation_logprobs"] + 0.05 * valid
+    batch["reference_logprobs"] = batch["generation_logprobs"] - 0.05 * valid
+    out = {}
+    for share in (False, True):
+        cfg = policy_cfg(
+            optimizer={"name": "torch.optim.SGD", "lr": 1.0},
+            microbatch={"train_micro_batch_size": 4, "share_prefix": share},
+        )
+        policy = Policy(cfg)
+        metrics = policy.train(batch, ClippedPGLoss(reference_policy_kl_penalty=0.05))
+        out[share] = metrics, params_of(policy), policy.get_logprobs(batch)
+    assert out[True][0]["loss"] == pytest.approx(out[False][0]["loss"], rel=1e-5)
+    assert_params_close(out[False][1], out[True][1])
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_two_call_plan_on_one_rank_only_keeps_fsdp_ranks_matched(ray_session):
+    """Rank 0's rows form one long group (two-call plan), rank 1's share nothing (no plan): rank 1
+    switches to the two-call form too, so every model call's FSDP gathers line up."""
+    from posttrain.algorithms.losses import NLLLoss
+
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, 70, (200,), generator=g).tolist()
+    prompts = [prompt] * 4 + [torch.randint(4, 70, (5,), generator=g).tolist() for _ in range(4)]
+    completions = [torch.randint(4, 70, (250 - 20 * i,), generator=g).tolist() for i in range(8)]
+    batch = batch_from_sequences(prompts, completions)
+    assert isinstance(plan_shared_prefix(batch[:4]), SharedPrefix)
+    assert plan_shared_prefix(trim_to_longest(batch[4:])) is None
+    sgd = {"name": "torch.optim.SGD", "lr": 1.0}
+    one = Policy(policy_cfg(optimizer=sgd, microbatch={"train_micro_batch_size": 4, "share_prefix": False}))
+    two = Policy(
+        policy_cfg(
+            optimizer=sgd,
+            microbatch={"train_micro_batch_size": 4},
+            cluster={"backend": "ray", "num_workers": 2, "timeout_s": 120},
+        )
+    )
+    try:
+        m_two, m_one = two.train(batch, NLLLoss()), one.train(batch, NLLLoss())
+        assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-5)
+        assert_params_close(params_of(one), params_of(two), rtol=1e-4, atol=1e-5)
+    finally:
+        two.shutdown()

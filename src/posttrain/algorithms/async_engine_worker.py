@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -84,15 +85,40 @@ def _decode(d: dict[str, Any]) -> GroupSamples:
 SAMPLES_CODEC = SamplesCodec(_encode, _decode)  # buffered groups survive a checkpoint (JSON)
 
 
+def _to_bytes(t: torch.Tensor) -> tuple[Any, torch.dtype, tuple[int, ...]]:
+    """A tensor as a flat uint8 numpy array (any dtype, bf16 included) with its dtype and shape."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy(), t.dtype, tuple(t.shape)
+
+
+def _from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # Ray hands out read-only buffers; loading copies them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+def _rebuild_payload(version: int, state: dict, probe: Any, temperature: float) -> WeightsPayload:
+    tensors = {k: _from_bytes(*v) for k, v in state.items()}
+    return WeightsPayload(version, tensors, None if probe is None else _from_bytes(*probe), temperature)
+
+
 @dataclass
 class WeightsPayload:
     """One weight version for the rollout workers: the full state dict and the trainer's logprobs on
-    the probe batch (None when the probe check is off), taken together."""
+    the probe batch (None when the probe check is off), taken together.
+
+    Pickled (one `ray.put` per version) as numpy byte arrays, which Ray stores and hands to the
+    actor without copying; torch tensors would be pickled, then unpickled by every reader."""
 
     version: int
     state: dict[str, torch.Tensor]
     probe_logprobs: torch.Tensor | None
     temperature: float
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        state = {k: _to_bytes(v) for k, v in self.state.items()}
+        probe = None if self.probe_logprobs is None else _to_bytes(self.probe_logprobs)
+        return _rebuild_payload, (self.version, state, probe, self.temperature)
 
 
 def sample_seed(seed: int, prompt_id: int, weight_version: int, k: int) -> int:
@@ -161,6 +187,20 @@ class EngineRolloutWorker:
             GroupSamples(prompt.prompt_id, results, rewards.tolist(), failed.tolist(), metrics), stamp, g
         )
 
+    async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        """`generate_group` for several prompts at once: all their completions enter the engine's
+        batch together. A group whose reward fails comes back with `error` set (it alone is retried)."""
+        calls = [self.generate_group(p, weight_version) for p in prompts]
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        for r in out:
+            if isinstance(r, BaseException) and not isinstance(r, RolloutFailure):
+                raise r
+        g = self.cfg.grpo.num_generations_per_prompt
+        return [
+            GroupResult(None, weight_version, g, error=str(r)) if isinstance(r, RolloutFailure) else r
+            for r in out
+        ]
+
     async def set_weights(self, version: int, weights: WeightsPayload) -> None:
         """Load `weights` between requests, then check the engine's logprobs on the probe batch."""
         if weights.version != version:
@@ -193,6 +233,9 @@ class EngineRolloutActor:
 
     async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
         return await self.worker.generate_group(prompt, weight_version)
+
+    async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        return await self.worker.generate_groups(prompts, weight_version)
 
     async def set_weights(self, version: int, weights: WeightsPayload) -> None:
         await self.worker.set_weights(version, weights)

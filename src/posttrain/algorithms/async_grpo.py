@@ -168,6 +168,16 @@ class AsyncGRPOController:
                 )
         return loss_fn
 
+    def weights_preloaded(self, version: int, weights: Any) -> None:
+        """Every rollout worker already holds the trainer's weights `version` (pushed before `run()`,
+        as `weights`, e.g. at set-up); the first run then starts generating without a push."""
+        if version != self.trainer.version or version != self.trainer_version:
+            raise ValueError(
+                f"the preloaded weights are version {version} but the trainer is at {self.trainer.version} "
+                f"and the controller at {self.trainer_version}"
+            )
+        self.pool.preloaded(version, weights)
+
     # ------------------------------------------------------------------ run
 
     async def run(self, on_step: OnStep | None = None) -> RunSummary:
@@ -346,7 +356,8 @@ class AsyncGRPOController:
         self._step_groups = 0
         for g in self.sampler.evict_stale(new):
             self._drop_stale(g)
-        await self._publish(new)
+        if self.cfg.num_steps is None or self.step < self.cfg.num_steps:  # no export after the last step
+            await self._publish(new)
         lags = [g.lag(old) for g in trained]
         samples = sum(g.num_samples for g in trained)
         metrics = self.meter.step_metrics(lags, samples, *self.pool.generation_time())

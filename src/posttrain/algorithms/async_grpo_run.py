@@ -15,9 +15,13 @@ Departures from the synchronous loop (besides streaming, see async_grpo.py):
 - the loss is `async_grpo.loss`: truncated importance sampling against the generation logprobs is on
   by default, since samples may come from weights up to `max_staleness` versions old;
 - groups of a step are trained in chunks of at least `train_chunk_rows` rows: a chunk's groups become
-  one batch (grpo.samples_to_batch: advantages per group), get their prev/reference logprobs, and go
+  one batch (grpo.samples_to_batch: advantages per group), get their reference logprobs, and go
   to the Policy in one `train_microbatch` call. The step's gradient is the same as with one call per
-  group (exact global normalization); the calls are fewer and larger.
+  group (exact global normalization); the calls are fewer and larger;
+- a step is one optimizer step (begin_train_step ... finish_train_step), so every chunk is trained at
+  the weights the step opened with: the trainer's prev logprobs are the training forward's own, and
+  with `grpo.recompute_prev_logprobs: auto` the loss takes them from there (force_on_policy_ratio, IS
+  weights included) instead of a separate forward per chunk.
 """
 
 from __future__ import annotations
@@ -161,17 +165,26 @@ class ChunkedTrainer(PolicyTrainer):
     """The Policy as the controller's trainer, fed `GroupSamples` and training them in chunks.
 
     `train_group` collects groups until they hold `min_rows` rows, then (on the policy thread) turns
-    them into one batch, adds prev/reference logprobs at the open step's weights and calls
-    `train_microbatch`; `finish` trains what is left first; `abort` drops it."""
+    them into one batch, adds reference (and, with `prev`, prev) logprobs at the open step's weights
+    and calls `train_microbatch`; `finish` trains what is left first; `abort` drops it."""
 
-    def __init__(self, policy: Policy, loop: GRPOLoopConfig, pad_id: int, min_rows: int, reference: bool):
+    def __init__(
+        self,
+        policy: Policy,
+        loop: GRPOLoopConfig,
+        pad_id: int,
+        min_rows: int,
+        reference: bool,
+        prev: bool = True,
+    ):
         super().__init__(policy)
         self.loop, self.pad_id, self.min_rows, self.reference = loop, pad_id, min_rows, reference
+        self.prev = prev
         self._pending: list[GroupSamples] = []
 
     def _train_chunk(self, groups: list[GroupSamples]) -> None:
         batch = groups_to_batch(groups, self.loop, self.pad_id)
-        self.policy.train_microbatch(self.add_logprobs(batch, self.reference))
+        self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))
 
     async def _flush(self) -> None:
         chunk, self._pending = self._pending, []
@@ -305,7 +318,8 @@ RESUME_MAY_CHANGE = (
 
 
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
-    """Policy (restored from a checkpoint if one is found), task, rollout workers, controller."""
+    """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
+    weights, controller."""
     torch.manual_seed(cfg.grpo.seed)
     own_policy = policy is None
     policy = policy or Policy(cfg.policy)
@@ -316,7 +330,9 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
-    trainer = ChunkedTrainer(policy, cfg.grpo, tokenizer.pad_token_id or 0, chunk, reference)
+    skip_prev = cfg.grpo.recompute_prev_logprobs == "auto"
+    pad_id = tokenizer.pad_token_id or 0
+    trainer = ChunkedTrainer(policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev)
     trainer.export_fn = export_fn(cfg, trainer, tokenizer)
     actors: list[Any] = []
     try:
@@ -332,14 +348,60 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     stats = StepStats()
     prepare = prepare_samples(cfg, trainer, stats)
     controller = AsyncGRPOController(
-        cfg.async_grpo, task.train.items, workers, trainer, prepare, samples_codec=SAMPLES_CODEC
+        _controller_cfg(cfg, skip_prev),
+        task.train.items,
+        workers,
+        trainer,
+        prepare,
+        samples_codec=SAMPLES_CODEC,
     )
     if extra is not None:
         controller.load_state_dict(extra["controller"])
     validator = _build_validator(cfg, policy, task, tokenizer)
     step = int(extra["step"]) if extra is not None else 0
     parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
-    return AsyncRun(*parts, actors=actors, resumed_step=step, own_policy=own_policy)
+    run = AsyncRun(*parts, actors=actors, resumed_step=step, own_policy=own_policy)
+    try:
+        _push_initial_weights(run)
+    except BaseException:
+        close(run)
+        raise
+    return run
+
+
+def _push_initial_weights(run: AsyncRun) -> None:
+    """The rollout workers start with the policy's weights (as the synchronous loop's engine does at
+    set-up), so the run starts generating at once. Bounded by async_grpo.weight_sync_timeout_s.
+    Called from a running event loop, it leaves the push to the start of the run instead."""
+    trainer, a = run.trainer, run.cfg.async_grpo
+    try:
+        asyncio.get_running_loop()
+        return
+    except RuntimeError:
+        pass
+
+    async def push() -> Any:
+        weights = await trainer.export_weights()
+        await asyncio.gather(*(w.set_weights(trainer.version, weights) for w in run.workers))
+        return weights
+
+    try:
+        weights = asyncio.run(asyncio.wait_for(push(), a.weight_sync_timeout_s))
+    except asyncio.TimeoutError:
+        raise TimeoutError(
+            f"the rollout workers did not load the initial weights within "
+            f"async_grpo.weight_sync_timeout_s={a.weight_sync_timeout_s}s"
+        ) from None
+    run.controller.weights_preloaded(trainer.version, weights)
+
+
+def _controller_cfg(cfg: AsyncGRPORunConfig, skip_prev: bool) -> AsyncGRPOConfig:
+    """`async_grpo`, with a loss that takes prev logprobs from its training forward when the trainer
+    skips their separate pass (see the module docstring)."""
+    if not skip_prev:
+        return cfg.async_grpo
+    loss = cfg.async_grpo.loss.model_copy(update={"force_on_policy_ratio": True})
+    return cfg.async_grpo.model_copy(update={"loss": loss})
 
 
 def _load_checkpoint(cfg: AsyncGRPORunConfig, policy: Policy, ckpt: CheckpointManager) -> dict | None:

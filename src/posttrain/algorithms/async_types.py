@@ -71,7 +71,12 @@ class GroupResult:
 
 @runtime_checkable
 class RolloutWorker(Protocol):
-    """A generator of prompt groups. The controller never calls `set_weights` while a request is in flight."""
+    """A generator of prompt groups. The controller never calls `set_weights` while a request is in flight.
+
+    A worker may also have `async generate_groups(prompts, weight_version) -> list[GroupResult]` (one
+    result per prompt, in order; a group that fails alone is a result with `error` set, an exception
+    fails the whole call). The controller then sends every group that fits in one call, so they can
+    start generating together."""
 
     async def generate_group(self, prompt: Any, weight_version: int) -> GroupResult:
         """Generate and score all completions of `prompt` with the weights of `weight_version`."""

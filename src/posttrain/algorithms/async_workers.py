@@ -78,7 +78,8 @@ class SerialThread:
 
 class RayRolloutWorker:
     """A `RolloutWorker` over a Ray actor that has `generate_group(prompt, weight_version)` and
-    `set_weights(version, weights)` methods (sync or async) with the same meaning.
+    `set_weights(version, weights)` methods (sync or async) with the same meaning, and
+    `generate_groups(prompts, weight_version)` when the actor has it.
 
     Under Ray, `weights` should be an ObjectRef (one `ray.put` for all workers), which Ray resolves
     before the actor's method runs.
@@ -87,9 +88,15 @@ class RayRolloutWorker:
     def __init__(self, actor: Any, name: str = "") -> None:
         self.actor = actor
         self.name = name or repr(actor)
+        if hasattr(actor, "generate_groups"):  # the controller batches only what the actor can take
+            self.generate_groups = self._generate_groups
 
     async def generate_group(self, prompt: Any, weight_version: int) -> GroupResult:
         return await self._await(self.actor.generate_group.remote(prompt, weight_version), "generate_group")
+
+    async def _generate_groups(self, prompts: list[Any], weight_version: int) -> list[GroupResult]:
+        ref = self.actor.generate_groups.remote(prompts, weight_version)
+        return await self._await(ref, "generate_groups")
 
     async def set_weights(self, version: int, weights: Any) -> None:
         await self._await(self.actor.set_weights.remote(version, weights), "set_weights")
@@ -167,13 +174,19 @@ class PolicyTrainer:
     async def export_weights(self) -> Any:
         return await self.call(self.export_fn) if self.export_fn is not None else None
 
-    def add_logprobs(self, batch: Any, reference: bool) -> Any:
-        """Blocking: fill `prev_logprobs` (and `reference_logprobs`) of `batch` from the Policy."""
-        batch["prev_logprobs"] = self.policy.get_logprobs(batch)
+    def add_logprobs(self, batch: Any, reference: bool, prev: bool = True) -> Any:
+        """Blocking: fill `prev_logprobs` (and `reference_logprobs`) of `batch` from the Policy.
+
+        `prev=False` skips the prev-logprob forward, for a loss that takes them from its own training
+        forward (ClippedPGConfig.force_on_policy_ratio: the open step is one optimizer step, so they
+        are the same)."""
+        if prev:
+            batch["prev_logprobs"] = self.policy.get_logprobs(batch)
         if reference:
             batch["reference_logprobs"] = self.policy.get_reference_policy_logprobs(batch)
-        elif "reference_logprobs" not in batch.keys():
-            batch["reference_logprobs"] = batch["prev_logprobs"].clone()
+        elif "reference_logprobs" not in batch.keys():  # no reference model: prev stands in
+            stand_in = batch["prev_logprobs"] if prev else batch["generation_logprobs"]
+            batch["reference_logprobs"] = stand_in.clone()
         return batch
 
     def close(self) -> None:

@@ -48,6 +48,8 @@ class FakeRolloutWorker:
     - `fail_prompts`: prompt id -> how many times its group fails (a GroupResult with `error` set, or a
       RolloutFailure when `raise_failures`) before it succeeds;
     - `fail_set_weights`: set_weights raises WorkerLostError.
+    With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
+    back as its result's `error`, a lost worker fails the call); call indices count groups.
     It records every call and any contract violation (weights changed mid-request, wrong version).
     """
 
@@ -62,8 +64,12 @@ class FakeRolloutWorker:
         raise_failures: bool = False,
         set_weights_latency: float = 0.0,
         fail_set_weights: bool = False,
+        batched: bool = False,
     ) -> None:
         self.name = name
+        if batched:
+            self.generate_groups = self._generate_groups
+        self.batch_sizes: list[int] = []  # groups per generate_groups call
         self.latency = latency
         self.group_size = group_size
         self.die_on_call = die_on_call
@@ -95,6 +101,18 @@ class FakeRolloutWorker:
             return await self._generate(call, prompt_id, weight_version)
         finally:
             self.active -= 1
+
+    async def _generate_groups(self, prompts: list[dict[str, Any]], weight_version: int) -> list[GroupResult]:
+        self.batch_sizes.append(len(prompts))
+        calls = [self.generate_group(p, weight_version) for p in prompts]
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        for r in out:
+            if isinstance(r, BaseException) and not isinstance(r, RolloutFailure):
+                raise r
+        return [
+            GroupResult(None, weight_version, 0, error=str(r)) if isinstance(r, RolloutFailure) else r
+            for r in out
+        ]
 
     async def _generate(self, call: int, prompt_id: int, weight_version: int) -> GroupResult:
         if call in self.hang_on_calls:
@@ -238,4 +256,5 @@ class FakeTrainer:
 
     async def export_weights(self) -> dict[str, int]:
         await self._enter("export_weights")
+        self.events.append(("export", self._version))
         return {"version": self._version}

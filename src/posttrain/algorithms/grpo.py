@@ -27,7 +27,7 @@ from posttrain.config import Config, dump_config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
-from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
+from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig, can_share
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
 from posttrain.parallel.mesh import default_device
 from posttrain.policy.config import PolicyConfig
@@ -62,9 +62,10 @@ class GRPOLoopConfig(Config):
     val_max_prompts: int | None = Field(None, ge=1)
     recompute_prev_logprobs: Literal["auto", "always"] = Field(
         "auto",
-        description="auto: skip the extra trainer forward when the step is one on-policy optimizer step "
-        "without importance-sampling correction (the PPO ratio is then exactly 1: the loss uses "
-        "force_on_policy_ratio, as TRL does with num_iterations=1); always: compute prev_logprobs",
+        description="auto: skip the extra trainer forward when the step's samples make one optimizer "
+        "step (prev_logprobs then equal the training forward's own logprobs, detached: the loss uses "
+        "force_on_policy_ratio for the PPO ratio and the importance-sampling weights, as TRL does with "
+        "num_iterations=1); always: compute prev_logprobs in a separate forward",
     )
     seed: int = 0
 
@@ -89,7 +90,9 @@ class GRPOConfig(GRPORunSections):
 
     loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
     colocated: bool = Field(
-        True, description="trainer offloaded while the engine generates, engine asleep while training"
+        True,
+        description="trainer offloaded while the engine generates, engine asleep while training (on an "
+        "accelerator; on a CPU device both share host memory and neither is moved)",
     )
     output_dir: str = "runs/grpo"
 
@@ -122,6 +125,7 @@ class Run:
     tokenizer: Any
     loss_fn: ClippedPGLoss
     weight_sync: WeightSync
+    share_weights: bool = False  # the engine aliases the trainer's tensors (see sync_weights)
     step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -231,6 +235,9 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     if skips_prev_logprobs(cfg):
         run.loss_fn = ClippedPGLoss(cfg.loss.model_copy(update={"force_on_policy_ratio": True}))
+    run.share_weights = (
+        cfg.weight_sync.share == "auto" and not time_shares_device(run) and can_share(policy, engine)
+    )
     sync_weights(run)
     return run
 
@@ -372,25 +379,21 @@ def samples_to_batch(
     batch = batch_from_sequences(
         [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist()
     )
-    gen_lp = torch.zeros(batch["input_ids"].shape)
-    for i, r in enumerate(results):
-        p = len(r.prompt_token_ids)
-        gen_lp[i, p : p + len(r.logprobs)] = torch.tensor(r.logprobs)
-    batch["generation_logprobs"] = gen_lp
+    t = batch["input_ids"].shape[1]
+    rows = [[0.0] * len(r.prompt_token_ids) + list(r.logprobs) for r in results]
+    batch["generation_logprobs"] = torch.tensor([row + [0.0] * (t - len(row)) for row in rows])
     batch["advantages"] = adv[:, None] * batch["token_mask"]
     metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics
 
 
 def skips_prev_logprobs(cfg: GRPOConfig) -> bool:
-    """Whether prev_logprobs equal the training-time logprobs by construction (see recompute_prev_logprobs)."""
+    """Whether prev_logprobs equal the training-time logprobs by construction (see recompute_prev_logprobs):
+    the step's samples make one optimizer step, so the loss takes prev from its own forward
+    (force_on_policy_ratio), for the ratio and the importance-sampling weights alike."""
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     one_step = samples <= cfg.policy.train_global_batch_size
-    return (
-        cfg.grpo.recompute_prev_logprobs == "auto"
-        and one_step
-        and not cfg.loss.use_importance_sampling_correction
-    )
+    return cfg.grpo.recompute_prev_logprobs == "auto" and one_step
 
 
 def add_logprobs(run: Run, batch) -> None:
@@ -408,19 +411,29 @@ def add_logprobs(run: Run, batch) -> None:
 
 
 def sync_weights(run: Run) -> dict[str, float]:
-    """Trainer weights -> engine, checked on the probe batch; colocated: trainer offloaded after."""
+    """Trainer weights -> engine, checked on the probe batch. When the engine shares the trainer's
+    tensors (same process, device and dtype) a sync copies nothing: the optimizer updated them in
+    place; the sync re-points the engine at them (cheap) and sets the version, and the probe checks."""
     run.policy.prepare_for_lp_inference()
     run.engine.wake()
     version = run.policy.get_states()[0]["trainer_version"]
-    metrics = run.weight_sync.sync_local(run.policy, run.engine, version)
+    metrics = run.weight_sync.sync_local(run.policy, run.engine, version, share=run.share_weights)
     return {f"weight_sync/{k}": v for k, v in metrics.items()}
+
+
+def time_shares_device(run: Run) -> bool:
+    """Colocated on an accelerator: trainer and engine take turns holding the device's memory. On a
+    CPU device both live in host memory, where offloading one frees nothing for the other, so the
+    trainer stays put and the engine stays awake (keeping its KV cache and any shared weights)."""
+    return run.cfg.colocated and run.engine.device.type != "cpu"
 
 
 def colocated_generation_start(run: Run) -> None:
     """Colocated: the trainer gives the device to the engine (and frees its communicators if asked)."""
     if not run.cfg.colocated:
         return
-    run.policy.offload_after_refit()
+    if time_shares_device(run):
+        run.policy.offload_after_refit()
     if run.cfg.policy.free_comms_during_generation:
         run.policy.teardown_comms()
     run.engine.wake()
@@ -429,7 +442,8 @@ def colocated_generation_start(run: Run) -> None:
 def colocated_generation_end(run: Run) -> None:
     if not run.cfg.colocated:
         return
-    run.engine.sleep(keep_weights=True)
+    if time_shares_device(run):
+        run.engine.sleep(keep_weights=True)
     if run.cfg.policy.free_comms_during_generation:
         run.policy.rebuild_comms()
 

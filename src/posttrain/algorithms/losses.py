@@ -129,14 +129,17 @@ class ClippedPGConfig(Config):
         False, description="plain policy gradient: -A * logprob, no ratio or clip"
     )
     force_on_policy_ratio: bool = Field(
-        False, description="ratio = exp(lp - lp.detach()): 1 in value, on-policy grad"
+        False,
+        description="the step is one optimizer step at the weights that made the batch's prev logprobs, "
+        "so prev := lp.detach() (ratio exp(lp - lp.detach()): 1 in value, on-policy grad; IS weight "
+        "exp(lp.detach() - gen) and the mismatch metrics alike) and the batch needs no prev_logprobs",
     )
 
 
 class ClippedPGLoss:
     """Clipped surrogate policy-gradient loss with optional dual clip, reference KL and IS correction."""
 
-    required_keys = ("advantages", "prev_logprobs", "generation_logprobs", "reference_logprobs")
+    _keys = ("advantages", "prev_logprobs", "generation_logprobs", "reference_logprobs")
     metric_kinds: dict[str, MetricKind] = {
         "loss": "loss_type",
         "pg_loss": "loss_type",
@@ -156,6 +159,13 @@ class ClippedPGLoss:
     def __init__(self, cfg: ClippedPGConfig | None = None, **kwargs) -> None:
         self.cfg = cfg or ClippedPGConfig(**kwargs)
         self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+
+    @property
+    def required_keys(self) -> tuple[str, ...]:
+        """Batch keys read; prev_logprobs only when they are not the training logprobs themselves."""
+        if self.cfg.force_on_policy_ratio:
+            return tuple(k for k in self._keys if k != "prev_logprobs")
+        return self._keys
 
     def _importance_weights(self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor):
         cfg = self.cfg
@@ -177,12 +187,10 @@ class ClippedPGLoss:
         cfg = self.cfg
         red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks)
         adv = batch["advantages"].float()
-        prev = batch["prev_logprobs"].float()
         gen = batch["generation_logprobs"].float()
-        if cfg.force_on_policy_ratio:
-            ratio = (logprobs - logprobs.detach()).exp()
-        else:
-            ratio = (logprobs - prev).exp()
+        # force_on_policy_ratio: the trainer's logprobs before the update are these, so no extra forward
+        prev = logprobs.detach().float() if cfg.force_on_policy_ratio else batch["prev_logprobs"].float()
+        ratio = (logprobs - prev).exp()
         if cfg.disable_ppo_ratio:
             pg = -adv * logprobs
             clipped = torch.zeros_like(pg)

@@ -1,13 +1,16 @@
 """The generation side of asynchronous GRPO: rollout workers, requests in flight, retries, weight pushes.
 
-One request per prompt group, each an asyncio task bounded by `request_timeout_s`; its completion
-callback hands the finished group to the controller and sends out more work. Work goes only to a
-worker that holds the latest published weights and has room (`max_in_flight_per_worker`), and only
-while the groups in flight plus those held by the controller stay under the outstanding cap. A
-worker gets new weights when it has no request in flight, so a request never sees two versions.
+One request per prompt group. Requests go out as asyncio tasks bounded by `request_timeout_s`: one
+call per group, or, to a worker with `generate_groups`, one call for all the groups that fit at that
+moment (they then enter the engine's batch together instead of one Ray round trip apart). A call's
+completion callback hands the finished groups to the controller and sends out more work. Work goes
+only to a worker that holds the latest published weights and has room (`max_in_flight_per_worker`
+groups), and only while the groups in flight plus those held by the controller stay under the
+outstanding cap. A worker gets new weights when it has no request in flight, so a request never sees
+two versions.
 
 Failures: a group that fails (an error result or `RolloutFailure`) is re-queued; a worker that times
-out or is lost (`WorkerLostError`), or fails `max_consecutive_worker_errors` times in a row, is
+out or is lost (`WorkerLostError`), or fails `max_consecutive_worker_errors` calls in a row, is
 retired and all its in-flight groups are re-queued. Each re-queue spends one of the group's
 `max_retries`. Fatal conditions (retry budget spent, too few workers) are stored in `fatal` for the
 controller to raise.
@@ -159,6 +162,14 @@ class RolloutPool:
         if not self.slots:
             now = time.monotonic()
             self.slots = [_Slot(i, w, BusyMeter(time.monotonic), now) for i, w in enumerate(self.workers)]
+            for slot in self.slots:
+                slot.version = self.published_version  # loaded before the run (`preloaded`), or None
+
+    def preloaded(self, version: int, weights: Any) -> None:
+        """Every worker already holds `weights` of `version` (loaded before the first `start`)."""
+        if self.slots:
+            raise RuntimeError("preloaded() must be called before the pool first starts")
+        self.published = (version, weights)
 
     def publish(self, version: int, weights: Any) -> None:
         """New weights: idle workers load them; dispatch resumes."""
@@ -275,10 +286,24 @@ class RolloutPool:
             if not ready:
                 return
             slot = min(ready, key=lambda s: (len(s.in_flight), s.index))
+            room = self.cfg.outstanding_cap - len(self.in_flight) - self.held()
+            room = min(room, self.cfg.max_in_flight_per_worker - len(slot.in_flight))
+            if getattr(slot.worker, "generate_groups", None) is None:
+                room = 1
+            reqs = self._take_requests(room)
+            if not reqs:
+                return
+            self._dispatch(slot, reqs)
+
+    def _take_requests(self, n: int) -> list[Request]:
+        """Up to `n` requests: retries first, then new prompts."""
+        reqs: list[Request] = []
+        while len(reqs) < n:
             req = self.retry.popleft() if self.retry else self._new_request()
             if req is None:
-                return
-            self._dispatch(slot, req)
+                break
+            reqs.append(req)
+        return reqs
 
     def _new_request(self) -> Request | None:
         index = self.cursor.next()
@@ -288,20 +313,30 @@ class RolloutPool:
         self.next_group_id += 1
         return req
 
-    def _dispatch(self, slot: _Slot, req: Request) -> None:
+    def _dispatch(self, slot: _Slot, reqs: list[Request]) -> None:
         version = slot.version
         assert version is not None
-        task = asyncio.ensure_future(self._generate(slot, req, self.dataset[req.prompt_id], version))
-        self.ledger.move(req.group_id, GroupState.IN_FLIGHT)
-        self.in_flight[req.group_id] = (slot, req, task)
-        slot.in_flight.add(req.group_id)
-        slot.meter.start()
-        task.add_done_callback(functools.partial(self._on_request_done, req.group_id, version))
+        prompts = [self.dataset[r.prompt_id] for r in reqs]
+        task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version))
+        for req in reqs:
+            self.ledger.move(req.group_id, GroupState.IN_FLIGHT)
+            self.in_flight[req.group_id] = (slot, req, task)
+            slot.in_flight.add(req.group_id)
+            slot.meter.start()
+        ids = [r.group_id for r in reqs]
+        task.add_done_callback(functools.partial(self._on_request_done, ids, version))
 
-    async def _generate(self, slot: _Slot, req: Request, prompt: Any, version: int) -> GroupResult:
+    async def _generate(
+        self, slot: _Slot, reqs: list[Request], prompts: list[Any], version: int
+    ) -> list[GroupResult]:
         # the worker's coroutine is made here, so a task cancelled before it starts leaves none unawaited
-        what = f"rollout worker {slot.index} (group {req.group_id})"
-        return await bounded(slot.worker.generate_group(prompt, version), self.cfg.request_timeout_s, what)
+        groups = ", ".join(str(r.group_id) for r in reqs)
+        what = f"rollout worker {slot.index} (group{'s' if len(reqs) > 1 else ''} {groups})"
+        if len(reqs) == 1:
+            call = slot.worker.generate_group(prompts[0], version)
+            return [await bounded(call, self.cfg.request_timeout_s, what)]
+        call = slot.worker.generate_groups(prompts, version)
+        return await bounded(call, self.cfg.request_timeout_s, what)
 
     def _untrack(self, group_id: int) -> tuple[_Slot, Request, asyncio.Task]:
         slot, req, task = self.in_flight.pop(group_id)
@@ -311,24 +346,38 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ completions
 
-    def _on_request_done(self, group_id: int, version: int, task: asyncio.Task) -> None:
-        entry = self.in_flight.get(group_id)
-        if entry is None or entry[2] is not task:
-            return  # an abandoned attempt (its worker was retired, or the run is shutting down)
-        slot, req, _ = self._untrack(group_id)
+    def _on_request_done(self, group_ids: list[int], version: int, task: asyncio.Task) -> None:
+        live = []  # the call's groups still tracked (not abandoned since: worker retired, shutdown)
+        for group_id in group_ids:
+            entry = self.in_flight.get(group_id)
+            if entry is not None and entry[2] is task:
+                live.append(self._untrack(group_id))
+        if not live:
+            return
+        slot = live[0][0]
+        reqs = [req for _, req, _ in live]
         try:
             try:
-                result = task.result()
+                results = task.result()
             except asyncio.CancelledError:
-                self._request_failed(slot, req, RolloutFailure("the request was cancelled"))
+                self._request_failed(slot, reqs, RolloutFailure("the request was cancelled"))
             except Exception as e:
-                self._request_failed(slot, req, e)
+                self._request_failed(slot, reqs, e)
             else:
-                self._accept(slot, req, version, result)
-        except Exception as e:  # a bug or a fatal condition: stop the run with it, keeping the group
-            if self.ledger.states.get(req.group_id) == GroupState.IN_FLIGHT:
-                self.ledger.move(req.group_id, GroupState.PENDING)
-                self.retry.append(req)
+                if not isinstance(results, list) or len(results) != len(group_ids):
+                    raise AsyncGRPOError(
+                        f"rollout worker {slot.index} answered generate_groups for {len(group_ids)} "
+                        f"prompts with {type(results).__name__} {results!r:.80}; it must return a list "
+                        "with one GroupResult per prompt, in order"
+                    )
+                by_id = dict(zip(group_ids, results))
+                for req in reqs:
+                    self._accept(slot, req, version, by_id[req.group_id])
+        except Exception as e:  # a bug or a fatal condition: stop the run with it, keeping the groups
+            for req in reqs:
+                if self.ledger.states.get(req.group_id) == GroupState.IN_FLIGHT:
+                    self.ledger.move(req.group_id, GroupState.PENDING)
+                    self.retry.append(req)
             self.set_fatal(e)
         self.changed()
 
@@ -356,7 +405,8 @@ class RolloutPool:
             )
         )
 
-    def _request_failed(self, slot: _Slot, req: Request, exc: BaseException) -> None:
+    def _request_failed(self, slot: _Slot, reqs: list[Request], exc: BaseException) -> None:
+        """A call failed as a whole: its groups are re-queued; the worker may be retired."""
         reason = f"worker {slot.index}: {type(exc).__name__}: {exc}"
         if isinstance(exc, (WaitTimeout, WorkerLostError)):
             self._retire(slot, reason)
@@ -364,7 +414,8 @@ class RolloutPool:
             slot.errors += 1
             if slot.errors >= self.cfg.max_consecutive_worker_errors:
                 self._retire(slot, f"{slot.errors} request errors in a row, the last: {reason}")
-        self._requeue(req, reason)
+        for req in reqs:
+            self._requeue(req, reason)
 
     def _requeue(self, req: Request, reason: str) -> None:
         """Re-admit a group whose attempt failed, unless its retry budget is spent."""

@@ -141,17 +141,19 @@ def batch_from_sequences(
         )
     if not prompts:
         raise ValueError("cannot build a batch from zero sequences")
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    prompt_lens = [len(p) for p in prompts]
+    lengths = [n + len(c) for n, c in zip(prompt_lens, completions)]
     t = max(lengths)
-    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
-    token_mask = torch.zeros((len(prompts), t))
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, : lengths[i]] = torch.tensor(list(p) + list(c), dtype=torch.long)
-        token_mask[i, len(p) : lengths[i]] = 1.0
+    rows = [[*p, *c, *[pad_id] * (t - n)] for p, c, n in zip(prompts, completions, lengths)]
+    ids = torch.tensor(rows, dtype=torch.long)  # one conversion for the whole batch
+    positions = torch.arange(t)[None, :]
+    starts = torch.tensor(prompt_lens, dtype=torch.long)[:, None]
+    ends = torch.tensor(lengths, dtype=torch.long)
+    token_mask = ((positions >= starts) & (positions < ends[:, None])).float()
     mask = torch.tensor(sample_mask if sample_mask is not None else [1.0] * len(prompts), dtype=torch.float32)
     return make_batch(
         input_ids=ids,
-        input_lengths=torch.tensor(lengths, dtype=torch.long),
+        input_lengths=ends,
         token_mask=token_mask,
         sample_mask=mask,
     )

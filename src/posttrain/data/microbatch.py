@@ -4,10 +4,19 @@ Whatever the cut, every micro-batch remembers which rows of the batch it holds (
 results can be put back in batch order. Packed micro-batches hold one row of several sequences with
 reset position ids and a 4-D block-diagonal causal mask, so no token attends across a boundary
 (reset position ids alone do not do that with sdpa/eager attention; see DESIGN.md).
+
+Shared prefixes: the rows of a GRPO prompt group start with the same prompt. A padded micro-batch
+may carry a plan that runs each distinct prompt once (models/logprobs.py): `GroupedRows` lays each
+group out as one row (prompt, then every completion, block mask; one model call), `SharedPrefix`
+runs the prompts, then every completion on its prompt's keys and values (two calls; for groups too
+long for one row). The logprobs and gradients are those of the plain forward (the same math,
+float-order differences only); the tokens through the model drop from the sum of all row lengths
+to the distinct prompts plus the completions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,13 +40,55 @@ class PackedRow:
 
 
 @dataclass
+class SharedPrefix:
+    """How the rows of a padded micro-batch [b, t] run as distinct prefixes + per-row suffixes.
+
+    Row i splits at `split[i]` (its first trained token, so the prompt is the prefix): tokens before
+    it are the prefix `row_prefix[i]` (one of `prefix_ids`), the rest its suffix. Logprobs come back
+    as a flat vector [0, prefix logprobs (u, p-1), boundary logprobs (b), suffix logprobs (b, s-1)],
+    and `gather_index` [b, t] picks each row's values from it (0 = the leading zero: position 0 and
+    padding)."""
+
+    prefix_ids: torch.Tensor  # [u, p] distinct prefixes, right-padded
+    prefix_lengths: torch.Tensor  # [u]
+    row_prefix: torch.Tensor  # [b] which prefix each row starts with
+    split: torch.Tensor  # [b] where each row's suffix starts (= its prefix length)
+    suffix_ids: torch.Tensor  # [b, s] right-padded
+    gather_index: torch.Tensor  # [b, t]
+
+    def to(self, device: torch.device | str) -> SharedPrefix:
+        return SharedPrefix(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+@dataclass
+class GroupedRows:
+    """A padded micro-batch [b, t] run as one row per distinct prefix: the prefix once, then the
+    suffix of every row that starts with it, each suffix attending to the prefix and itself only
+    (block mask), with the position ids it has in its own row. Token j of a grouped row is scored
+    by the logits at `prev[j]` (the prefix's last token for a suffix's first token); logprobs come
+    back as a flat vector [0, lp of the grouped rows (r, l)] and `gather_index` [b, t] picks each
+    row's values from it."""
+
+    input_ids: torch.Tensor  # [r, l]
+    position_ids: torch.Tensor  # [r, l]
+    attention_mask: torch.Tensor  # [r, l, l] bool, True where attention is allowed
+    prev: torch.Tensor  # [r, l] position whose logits score token j
+    gather_index: torch.Tensor  # [b, t]
+
+    def to(self, device: torch.device | str) -> GroupedRows:
+        return GroupedRows(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+@dataclass
 class MicroBatch:
-    """Rows `indices` of a batch, trimmed to their longest row; `packed` set when sequence packing is on."""
+    """Rows `indices` of a batch, trimmed to their longest row; `packed` set when sequence packing is on,
+    `shared` when rows that start alike run their prefix once."""
 
     data: TensorDict
     indices: torch.Tensor
     packed: PackedRow | None = None
     is_dummy: bool = False
+    shared: SharedPrefix | GroupedRows | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         packed = self.packed
@@ -49,7 +100,8 @@ class MicroBatch:
                 packed.offsets,
                 packed.lengths,
             )
-        return MicroBatch(self.data.to(device), self.indices, packed, self.is_dummy)
+        shared = self.shared.to(device) if self.shared is not None else None
+        return MicroBatch(self.data.to(device), self.indices, packed, self.is_dummy, shared)
 
 
 def _take(batch: TensorDict, idx: list[int]) -> MicroBatch:
@@ -58,11 +110,16 @@ def _take(batch: TensorDict, idx: list[int]) -> MicroBatch:
 
 
 def fixed_microbatches(batch: TensorDict, size: int) -> list[MicroBatch]:
-    """Consecutive chunks of `size` rows (the last one may be smaller)."""
+    """Consecutive chunks of `size` rows (the last one may be smaller), as views of the batch."""
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
     b = batch.batch_size[0]
-    return [_take(batch, list(range(s, min(s + size, b)))) for s in range(0, b, size)]
+    return [
+        MicroBatch(
+            trim_to_longest(batch[s : s + size] if size < b else batch), torch.arange(s, min(s + size, b))
+        )
+        for s in range(0, b, size)
+    ]
 
 
 def _check_fits(lengths: list[int], budget: int, what: str) -> None:
@@ -145,14 +202,141 @@ def packed_microbatches(batch: TensorDict, max_tokens: int, pad_id: int = 0) -> 
 
 
 def make_microbatches(
-    batch: TensorDict, mode: MicroBatchMode, size: int = 1, max_tokens: int = 0, pad_id: int = 0
+    batch: TensorDict,
+    mode: MicroBatchMode,
+    size: int = 1,
+    max_tokens: int = 0,
+    pad_id: int = 0,
+    share_prefix: bool = False,
 ) -> list[MicroBatch]:
-    """Cut `batch` by `mode`: 'fixed' uses `size` rows, 'dynamic' and 'packed' use a `max_tokens` budget."""
-    if mode == "fixed":
-        return fixed_microbatches(batch, size)
-    if mode == "dynamic":
-        return dynamic_microbatches(batch, max_tokens)
-    return packed_microbatches(batch, max_tokens, pad_id)
+    """Cut `batch` by `mode`: 'fixed' uses `size` rows, 'dynamic' and 'packed' use a `max_tokens` budget.
+    With `share_prefix`, padded micro-batches whose rows share prompts get a shared-prefix plan when
+    it saves enough tokens (see `plan_shared_prefix`)."""
+    if mode == "packed":
+        return packed_microbatches(batch, max_tokens, pad_id)
+    mbs = fixed_microbatches(batch, size) if mode == "fixed" else dynamic_microbatches(batch, max_tokens)
+    if share_prefix:
+        for mb in mbs:
+            mb.shared = plan_shared_prefix(mb.data, pad_id)
+    return mbs
+
+
+# Use a shared-prefix plan only when it drops at least this fraction of the padded tokens.
+MIN_SHARED_SAVING = 0.25
+# Longest row of a `GroupedRows` plan: its dense [L, L] mask and the attention it computes between
+# completions (masked out) grow as L^2, so long groups take the two-call `SharedPrefix` plan instead.
+GROUPED_ROW_MAX = 1024
+
+
+@dataclass
+class _Groups:
+    """Rows of a padded micro-batch grouped by their prefix (everything before the first trained
+    token: the prompt; at least one token, and at least one token left after it)."""
+
+    split: torch.Tensor  # [b] prefix length of each row
+    lengths: torch.Tensor  # [b]
+    prefixes: list[tuple[int, ...]]  # distinct prefixes, in order of first appearance
+    row_prefix: list[int]  # [b] index into prefixes
+    rows: list[list[int]]  # [b] token lists (unpadded)
+
+
+def _groups(data: TensorDict) -> _Groups:
+    lengths = data["input_lengths"]
+    trained = data["token_mask"] > 0
+    first = torch.where(trained.any(dim=1), trained.float().argmax(dim=1), lengths)
+    split = torch.minimum(first, lengths - 1).clamp(min=1)
+    rows = [row[:n] for row, n in zip(data["input_ids"].tolist(), lengths.tolist())]
+    keys: dict[tuple[int, ...], int] = {}
+    row_prefix = [keys.setdefault(tuple(row[:n]), len(keys)) for row, n in zip(rows, split.tolist())]
+    return _Groups(split, lengths, list(keys), row_prefix, rows)
+
+
+def plan_shared_prefix(
+    data: TensorDict, pad_id: int = 0, force: bool = False
+) -> SharedPrefix | GroupedRows | None:
+    """The cheaper shared-prefix plan of a padded micro-batch (counting padded tokens): `GroupedRows`
+    (one model call) when every group fits in `GROUPED_ROW_MAX` tokens, else `SharedPrefix` (two
+    calls). None when the best drops less than `MIN_SHARED_SAVING` of the tokens. `force` returns a
+    `SharedPrefix` plan for any batch, even one where no prefix repeats."""
+    g = _groups(data)
+    if force:
+        return _two_call_plan(g, pad_id, data["input_ids"].shape[1])
+    b, t = data["input_ids"].shape
+    suffix = (g.lengths - g.split).tolist()
+    group_len = [len(k) for k in g.prefixes]
+    for u, n in zip(g.row_prefix, suffix):
+        group_len[u] += n
+    grouped = len(group_len) * max(group_len)
+    two_call = len(g.prefixes) * max(len(k) for k in g.prefixes) + b * max(max(suffix), 1)
+    if min(grouped, two_call) > (1 - MIN_SHARED_SAVING) * b * t:
+        return None
+    if grouped <= two_call and max(group_len) <= GROUPED_ROW_MAX:
+        return _grouped_plan(g, data["input_ids"], pad_id, t)
+    return _two_call_plan(g, pad_id, t)
+
+
+def _two_call_plan(g: _Groups, pad_id: int, t: int) -> SharedPrefix:
+    split, lengths = g.split, g.lengths
+    b, u = len(g.rows), len(g.prefixes)
+    prefix_lengths = torch.tensor([len(k) for k in g.prefixes], dtype=torch.long)
+    p = int(prefix_lengths.max())
+    prefix_ids = torch.tensor([list(k) + [pad_id] * (p - len(k)) for k in g.prefixes], dtype=torch.long)
+    s = max(int((lengths - split).max()), 1)  # a row of one token has an empty suffix (one pad)
+    suffixes = [row[n:] for row, n in zip(g.rows, split.tolist())]
+    suffix_ids = torch.tensor([x + [pad_id] * (s - len(x)) for x in suffixes], dtype=torch.long)
+    row_prefix = torch.tensor(g.row_prefix, dtype=torch.long)
+    pos = torch.arange(t)[None, :]
+    split_, len_ = split[:, None], lengths[:, None]
+    index = torch.zeros(b, t, dtype=torch.long)  # 0: position 0 and padding
+    index = torch.where((pos >= 1) & (pos < split_), 1 + row_prefix[:, None] * (p - 1) + pos - 1, index)
+    boundary = 1 + u * (p - 1) + torch.arange(b)[:, None]
+    index = torch.where((pos == split_) & (pos < len_), boundary, index)
+    suffix_base = 1 + u * (p - 1) + b + torch.arange(b)[:, None] * (s - 1)
+    index = torch.where((pos > split_) & (pos < len_), suffix_base + pos - split_ - 1, index)
+    return SharedPrefix(prefix_ids, prefix_lengths, row_prefix, split, suffix_ids, index)
+
+
+def _grouped_plan(g: _Groups, ids: torch.Tensor, pad_id: int, t: int) -> GroupedRows:
+    """One row per prefix: the prefix, then the suffix of each of its rows (in row order), each suffix
+    seeing only the prefix and itself."""
+    b = ids.shape[0]
+    group = torch.tensor(g.row_prefix, dtype=torch.long)  # [b]
+    plen = torch.tensor([len(k) for k in g.prefixes], dtype=torch.long)  # [r]
+    slen = g.lengths - g.split  # [b]
+    # where each row's suffix starts in its group row: after the prefix and the earlier rows' suffixes
+    order = torch.argsort(group, stable=True)
+    before = torch.cumsum(slen[order], 0) - slen[order]
+    starts = torch.cumsum(torch.bincount(group, minlength=len(plen)), 0) - torch.bincount(
+        group, minlength=len(plen)
+    )
+    offset = torch.empty_like(slen)
+    offset[order] = plen[group[order]] + before - before[starts[group[order]]]
+    width = int((plen + torch.bincount(group, weights=slen.double(), minlength=len(plen)).long()).max())
+    col = torch.arange(width)[None, :]
+    in_prefix = col < plen[:, None]  # [r, width]
+    prefix_ids = torch.tensor([list(k) + [pad_id] * (width - len(k)) for k in g.prefixes], dtype=torch.long)
+    tokens = torch.where(in_prefix, prefix_ids, pad_id)
+    positions = torch.where(in_prefix, col, 0)
+    seg = torch.where(in_prefix, -1, -2 - col)  # padding: a segment of its own
+    prev = torch.where(in_prefix, (col - 1).clamp(min=0), 0)
+    k = torch.arange(max(int(slen.max()), 1))[None, :]  # [1, s]
+    valid = k < slen[:, None]  # [b, s]
+    rows = group[:, None].expand_as(valid)[valid]
+    dst = (offset[:, None] + k)[valid]
+    src = (g.split[:, None] + k).clamp(max=t - 1)
+    tokens[rows, dst] = ids.gather(1, src)[valid]
+    positions[rows, dst] = src[valid]
+    seg[rows, dst] = torch.arange(b)[:, None].expand_as(valid)[valid]
+    prev[rows, dst] = torch.where(k == 0, g.split[:, None] - 1, offset[:, None] + k - 1)[valid]
+    causal = col[0][:, None] >= col[0][None, :]
+    mask = causal[None] & ((seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None]))
+    pos = torch.arange(t)[None, :]
+    split_, len_ = g.split[:, None], g.lengths[:, None]
+    base = 1 + group[:, None] * width
+    index = torch.zeros(b, t, dtype=torch.long)
+    index = torch.where((pos >= 1) & (pos < split_), base + pos, index)
+    index = torch.where((pos >= split_) & (pos < len_), base + pos + offset[:, None] - split_, index)
+    return GroupedRows(tokens, positions, mask, prev, index)
 
 
 def dummy_like(mb: MicroBatch) -> MicroBatch:
@@ -160,4 +344,4 @@ def dummy_like(mb: MicroBatch) -> MicroBatch:
     data = mb.data.clone()
     data["sample_mask"] = torch.zeros_like(data["sample_mask"])
     data["token_mask"] = torch.zeros_like(data["token_mask"])
-    return MicroBatch(data, mb.indices, mb.packed, is_dummy=True)
+    return MicroBatch(data, mb.indices, mb.packed, is_dummy=True, shared=mb.shared)

@@ -45,6 +45,17 @@ _UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user
 DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds the KV cache)
 
 
+_STEPPER_IDLE_S = 0.5  # an idle stepping thread waits this long for more work before it exits
+
+
+def _post(loop: asyncio.AbstractEventLoop | None, fn, arg) -> None:
+    """Run fn(arg) on the event loop; dropped when the loop has closed (nobody is waiting)."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except (RuntimeError, AttributeError):
+        pass
+
+
 class EngineStateError(RuntimeError):
     """The engine cannot do this now (asleep, weights missing, requests in flight); the message says
     which call fixes it."""
@@ -137,8 +148,9 @@ class GenerationEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._futures: dict[int, asyncio.Future] = {}
-        self._drive_lock = threading.Lock()
+        self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
         self._stepping = False  # a stepping thread is running (see _ensure_driver)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._admit_paused = False
         self.num_generated_tokens = 0
 
@@ -489,38 +501,48 @@ class GenerationEngine:
         return fut
 
     def _ensure_driver(self) -> None:
-        """Start the stepping thread unless it is running. It steps while there is work and hands
-        finished results to the event loop, so the loop stays free and no step waits on it."""
-        with self._drive_lock:
-            if self._stepping:
-                return
-            self._stepping = True
+        """Make sure the stepping thread runs and serves the calling event loop. The thread steps while
+        there is work, hands finished results to the loop (which stays free), idles a moment when the
+        work runs out (the next burst reuses it) and then exits."""
         loop = asyncio.get_running_loop()
-        # started from the loop's next turn, so that requests submitted by coroutines scheduled in
-        # this turn (asyncio.gather over a group's completions) are admitted, and prefilled, together
-        loop.call_soon(self._start_stepping, loop)
+        with self._work:
+            self._loop = loop  # results go to the loop that asked last (an engine may outlive a loop)
+            start = not self._stepping
+            self._stepping = True
+        # from the loop's next turn, so that requests submitted by coroutines scheduled in this turn
+        # (asyncio.gather over a group's completions) are admitted, and prefilled, together
+        loop.call_soon(self._start_stepping if start else self._wake_stepper)
 
-    def _start_stepping(self, loop: asyncio.AbstractEventLoop) -> None:
-        threading.Thread(target=self._step_loop, args=(loop,), name="engine-steps", daemon=True).start()
+    def _start_stepping(self) -> None:
+        threading.Thread(target=self._step_loop, name="engine-steps", daemon=True).start()
 
-    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _wake_stepper(self) -> None:
+        with self._work:
+            self._work.notify()
+
+    def _has_async_work(self) -> bool:
+        return bool(self._active or (self._waiting and not self._admit_paused))
+
+    def _step_loop(self) -> None:
+        loop = None
         try:
             while True:
-                with self._drive_lock:
-                    if not (self._active or (self._waiting and not self._admit_paused)):
-                        self._stepping = False
-                        return
+                with self._work:
+                    if not self._has_async_work():
+                        self._work.wait(_STEPPER_IDLE_S)
+                        if not self._has_async_work():
+                            self._stepping = False
+                            return
+                    loop = self._loop
                 results = self._step_once()
                 if results:
-                    loop.call_soon_threadsafe(self._deliver, results)
+                    _post(loop, self._deliver, results)
         except BaseException as e:  # hand the error to every waiter
-            with self._drive_lock:
+            with self._work:
                 self._stepping = False
+                loop = self._loop
             log.error("generation step failed: %r", e)
-            try:
-                loop.call_soon_threadsafe(self._fail_all, e)
-            except RuntimeError:  # the loop is closed: nobody is waiting
-                pass
+            _post(loop, self._fail_all, e)
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         """Resolve the futures of finished requests (on the event loop). A cancelled waiter's result is
@@ -530,12 +552,18 @@ class GenerationEngine:
             if fut is None:
                 self._parked.append(res)
             elif not fut.done():
-                fut.set_result(res)
+                try:
+                    fut.set_result(res)
+                except RuntimeError:  # its loop has closed (asyncio.run ended): nobody is waiting
+                    pass
 
     def _fail_all(self, error: BaseException) -> None:
         for fut in self._futures.values():
             if not fut.done():
-                fut.set_exception(error)
+                try:
+                    fut.set_exception(error)
+                except RuntimeError:  # its loop has closed
+                    pass
         self._futures.clear()
 
     async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:

@@ -429,10 +429,21 @@ def can_share(policy, engine: GenerationEngine) -> bool:
     process, on the engine's device, in the engine's dtype."""
     if policy.cfg.cluster.backend != "local":
         return False
-    params = list(_local_model(policy).parameters())
     return all(
-        not isinstance(p, DTensor) and p.device == engine.device and p.dtype == engine.dtype for p in params
+        not isinstance(p, DTensor) and _same_device(p.device, engine.device) and p.dtype == engine.dtype
+        for p in _local_model(policy).parameters()
     )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, reading a missing index ('cuda') as the current one."""
+
+    def index(d: torch.device):
+        if d.index is None and d.type == "cuda":
+            return torch.cuda.current_device()
+        return d.index
+
+    return a.type == b.type and index(a) == index(b)
 
 
 def _local_model(policy) -> torch.nn.Module:

@@ -31,6 +31,12 @@ class MicroBatchConfig(Config):
     train_micro_batch_size: int = Field(4, ge=1, description="rows per training micro-batch (mode=fixed)")
     logprob_micro_batch_size: int = Field(8, ge=1, description="rows per logprob micro-batch (mode=fixed)")
     max_tokens: int = Field(2048, ge=1, description="token budget per micro-batch (modes dynamic and packed)")
+    share_prefix: bool = Field(
+        True,
+        description="modes fixed and dynamic: rows that start with the same prompt (a GRPO group) run the "
+        "prompt once per micro-batch, then each completion on its keys/values; same logprobs and "
+        "gradients, fewer tokens. Used when it drops at least a quarter of a micro-batch's tokens",
+    )
 
 
 class OptimizerConfig(Config):

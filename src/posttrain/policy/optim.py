@@ -6,6 +6,7 @@ import importlib
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from posttrain.policy.config import OptimizerConfig, SchedulerStage
 
@@ -22,12 +23,20 @@ def import_object(path: str):
 
 
 def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The configured optimizer. Adam/AdamW default to the fused kernel for plain (unsharded) fp32
+    parameters on CPU or CUDA (one kernel for all tensors: ~4x faster than foreach on a small model,
+    measured on CPU), else to foreach; `optimizer.kwargs` may set either explicitly."""
     cls = import_object(cfg.name)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer.name '{cfg.name}' is not a torch.optim.Optimizer subclass")
+    params = list(params)
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **cfg.kwargs}
-    if cls in (torch.optim.AdamW, torch.optim.Adam) and "foreach" not in kwargs:
-        kwargs["foreach"] = True
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "foreach" not in kwargs and "fused" not in kwargs:
+        fusable = all(
+            not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype == torch.float32
+            for p in params
+        )
+        kwargs["fused" if fusable else "foreach"] = True
     return cls(params, **kwargs)
 
 

@@ -66,7 +66,7 @@ class Policy:
         for start in range(0, b, gbs):
             for r, s in enumerate(shard_batch(batch[start : start + gbs], self.world_size)):
                 per_rank[r].append(s)
-        return [(torch.cat(parts),) for parts in per_rank]
+        return [(parts[0] if len(parts) == 1 else torch.cat(parts),) for parts in per_rank]
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -20,11 +20,17 @@ from torch.distributed.tensor import DTensor
 from posttrain import checkpoint
 from posttrain.config import dump_config
 from posttrain.data.batch import BASE_KEYS, validate_batch
-from posttrain.data.microbatch import MicroBatch, dummy_like, make_microbatches
+from posttrain.data.microbatch import (
+    MicroBatch,
+    SharedPrefix,
+    dummy_like,
+    make_microbatches,
+    plan_shared_prefix,
+)
 from posttrain.data.normalization import LossFn, finalize_metrics
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
-from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
+from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk, supports_shared_prefix
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
 from posttrain.policy import offload
@@ -65,6 +71,7 @@ class PolicyWorker:
         self.device = pmesh.default_device()
         self.dtype = DTYPES[cfg.precision]
         self.tokenizer = build_tokenizer(cfg.model)
+        self._pad_id = self.tokenizer.pad_token_id or 0
         self.model = build_policy_model(cfg, self.tokenizer, self.device, self.use_fsdp, self.dtype)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
@@ -97,20 +104,37 @@ class PolicyWorker:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def _cut(self, batch: TensorDict, training: bool) -> list[MicroBatch]:
+    def _cut(self, batch: TensorDict, training: bool, share_prefix: bool = True) -> list[MicroBatch]:
         mb = self.cfg.microbatch
         size = mb.train_micro_batch_size if training else mb.logprob_micro_batch_size
         return make_microbatches(
-            batch, mb.mode, size=size, max_tokens=mb.max_tokens, pad_id=self.tokenizer.pad_token_id or 0
+            batch,
+            mb.mode,
+            size=size,
+            max_tokens=mb.max_tokens,
+            pad_id=self._pad_id,
+            share_prefix=share_prefix and mb.share_prefix and supports_shared_prefix(self.model),
         )
 
+    def _set_training(self, mode: bool) -> None:
+        """Train/eval mode; skips the walk over every module when the model is already there."""
+        if self.model.training != mode:
+            self.model.train(mode)
+
     def _matched(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
-        """Pad with dummy micro-batches up to the max count over ranks (see policy/train_step.py)."""
+        """Pad with dummy micro-batches up to the max count over ranks (see policy/train_step.py). If
+        any rank runs a two-call `SharedPrefix` micro-batch, every micro-batch on every rank does, so
+        the FSDP gathers of each model call line up."""
         if self.world_size == 1:
             return mbs
-        count = self._all_reduce(torch.tensor([len(mbs)], device=self.device), dist.ReduceOp.MAX)
-        missing = int(count.item()) - len(mbs)
-        return mbs + [dummy_like(mbs[i % len(mbs)]) for i in range(missing)]
+        two_calls = any(isinstance(mb.shared, SharedPrefix) for mb in mbs)
+        agreed = torch.tensor([len(mbs), int(two_calls)], device=self.device)
+        count, any_two_calls = self._all_reduce(agreed, dist.ReduceOp.MAX).tolist()
+        if any_two_calls:
+            for mb in mbs:
+                if not isinstance(mb.shared, SharedPrefix) and mb.packed is None:
+                    mb.shared = plan_shared_prefix(mb.data, self._pad_id, force=True)
+        return mbs + [dummy_like(mbs[i % len(mbs)]) for i in range(count - len(mbs))]
 
     def _snapshot_weights(self) -> dict[str, torch.Tensor]:
         pin = self.device.type == "cuda"
@@ -143,7 +167,7 @@ class PolicyWorker:
         """Model and optimizer state on the device; training mode."""
         offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
         offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
-        self.model.train()
+        self._set_training(True)
         self.lifecycle.phase = Phase.TRAINING
 
     @verb(*ANY_PHASE, transition=True)
@@ -151,7 +175,7 @@ class PolicyWorker:
         """Model on the device, optimizer state on the host; eval mode."""
         offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
         offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        self.model.eval()
+        self._set_training(False)
         self.lifecycle.phase = Phase.INFERENCE
 
     @verb(*ANY_PHASE, transition=True)
@@ -160,7 +184,7 @@ class PolicyWorker:
         offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
         offload.release_device_cache(self.device)
         if self.lifecycle.phase == Phase.TRAINING:
-            self.model.eval()
+            self._set_training(False)
             self.lifecycle.phase = Phase.INFERENCE
 
     @verb(*ANY_PHASE, transition=True)
@@ -169,7 +193,7 @@ class PolicyWorker:
         offload.move_model(self.model, torch.device("cpu"))
         offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
         offload.release_device_cache(self.device)
-        self.model.eval()
+        self._set_training(False)
         self.lifecycle.phase = Phase.OFFLOADED
 
     @verb(*ANY_PHASE)
@@ -197,14 +221,17 @@ class PolicyWorker:
         step = self._step
         assert step is not None
         validate_batch(batch, BASE_KEYS + tuple(step.loss_fn.required_keys))
+        self._run_microbatches(step, batch)
+
+    def _run_microbatches(self, step: OpenStep, batch: TensorDict) -> None:
         mbs = self._matched(self._cut(batch, training=True))
         was_training = self.model.training
-        self.model.train(not step.eval_mode)
+        self._set_training(not step.eval_mode)
         try:
             for mb in mbs:
                 self._forward_backward(step, mb.to(self.device))
         finally:
-            self.model.train(was_training)
+            self._set_training(was_training)
 
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
@@ -256,8 +283,7 @@ class PolicyWorker:
     def _apply_gradients(self, n: float) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         with torch.no_grad():
-            for p in params:
-                p.grad.div_(n)
+            torch._foreach_div_([p.grad for p in params], n)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if isinstance(norm, DTensor):
@@ -303,7 +329,7 @@ class PolicyWorker:
         for start in range(0, b, local_gbs):
             self.begin_train_step(loss_fn, eval_mode)
             try:
-                self.train_microbatch(batch[start : start + local_gbs])
+                self._run_microbatches(self._step, batch[start : start + local_gbs])  # validated above
                 results.append(self.finish_train_step())
             except BaseException:
                 self.abort_train_step()
@@ -312,15 +338,15 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ inference verbs
 
-    def _infer(self, batch: TensorDict, fn) -> list[tuple[MicroBatch, Any]]:
+    def _infer(self, batch: TensorDict, fn, share_prefix: bool = True) -> list[tuple[MicroBatch, Any]]:
         validate_batch(batch, ("input_ids", "input_lengths"))
         if "token_mask" not in batch.keys():
             batch = batch.clone(False)
             batch["token_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.float32)
             batch["sample_mask"] = torch.ones(batch.batch_size[0])
-        mbs = self._matched(self._cut(batch, training=False))
+        mbs = self._matched(self._cut(batch, training=False, share_prefix=share_prefix))
         was_training = self.model.training
-        self.model.eval()
+        self._set_training(False)
         out = []
         try:
             with torch.no_grad(), self._autocast():
@@ -329,7 +355,7 @@ class PolicyWorker:
                     if not mb.is_dummy:
                         out.append((mb, res))
         finally:
-            self.model.train(was_training)
+            self._set_training(was_training)
         return out
 
     def _scatter(self, batch: TensorDict, parts: list[tuple[MicroBatch, torch.Tensor]]) -> torch.Tensor:
@@ -363,7 +389,7 @@ class PolicyWorker:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         temp = self.cfg.logprob_temperature
-        parts = self._infer(batch, lambda mb: microbatch_topk(self.model, mb, k, temp))
+        parts = self._infer(batch, lambda mb: microbatch_topk(self.model, mb, k, temp), share_prefix=False)
         values = self._scatter(batch, [(mb, v.float()) for mb, (v, _) in parts])
         ids = self._scatter(batch, [(mb, i) for mb, (_, i) in parts])
         return values, ids
