@@ -22,8 +22,10 @@ Mistral) the LM head applied by the engine: on CPU through a oneDNN-packed copy 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
@@ -54,6 +56,20 @@ def _post(loop: asyncio.AbstractEventLoop | None, fn, arg) -> None:
         loop.call_soon_threadsafe(fn, arg)
     except (RuntimeError, AttributeError):
         pass
+
+
+_STEPPERS: weakref.WeakKeyDictionary[threading.Thread, GenerationEngine] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _stop_steppers() -> None:
+    """Stop and join running stepping threads before the interpreter tears torch down (a daemon
+    thread still inside a torch op at that point aborts the process)."""
+    for thread, engine in list(_STEPPERS.items()):
+        with engine._work:
+            engine._closing = True
+            engine._work.notify_all()
+        thread.join(timeout=10)
 
 
 class EngineStateError(RuntimeError):
@@ -151,6 +167,7 @@ class GenerationEngine:
         self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
         self._stepping = False  # a stepping thread is running (see _ensure_driver)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
         self._admit_paused = False
         self.num_generated_tokens = 0
 
@@ -451,20 +468,23 @@ class GenerationEngine:
                 ended.append(first_slot + i)
         self.num_generated_tokens += len(tokens)
         finished = [self._active[s] for s in ended]
-        for slot in reversed(ended):
-            self._release(slot)
+        if ended:
+            self._release(ended)
         return finished
 
-    def _release(self, slot: int) -> None:
-        """Free a slot, moving the last active sequence into it so slots 0..n-1 stay dense."""
-        last = len(self._active) - 1
-        if slot != last:
-            mover = self._active[last]
-            self.cache.move_slot(last, slot, mover.position)
+    def _release(self, slots: list[int]) -> None:
+        """Free finished slots and compact the rest into slots 0..m-1 (order kept): one batched copy of
+        the moved sequences' keys/values and per-slot state, however many finished together."""
+        gone = set(slots)
+        keep = [i for i in range(len(self._active)) if i not in gone]
+        moved = [(dst, src) for dst, src in enumerate(keep) if dst != src]
+        if moved:
+            dst = torch.tensor([d for d, _ in moved], device=self.device)
+            src = torch.tensor([s for _, s in moved], device=self.device)
+            self.cache.copy_slots(src, dst, max(self._active[s].position for _, s in moved) + 1)
             for t in (self._last, self._pos, self._count):
-                t[slot] = t[last]
-            self._active[slot] = mover
-        self._active.pop()
+                t[dst] = t[src]
+        self._active = [self._active[i] for i in keep]
         self._rows = None
 
     # ------------------------------------------------------------------ asyncio
@@ -514,7 +534,9 @@ class GenerationEngine:
         loop.call_soon(self._start_stepping if start else self._wake_stepper)
 
     def _start_stepping(self) -> None:
-        threading.Thread(target=self._step_loop, name="engine-steps", daemon=True).start()
+        thread = threading.Thread(target=self._step_loop, name="engine-steps", daemon=True)
+        _STEPPERS[thread] = self
+        thread.start()
 
     def _wake_stepper(self) -> None:
         with self._work:
@@ -528,11 +550,11 @@ class GenerationEngine:
         try:
             while True:
                 with self._work:
-                    if not self._has_async_work():
+                    if not self._has_async_work() and not self._closing:
                         self._work.wait(_STEPPER_IDLE_S)
-                        if not self._has_async_work():
-                            self._stepping = False
-                            return
+                    if self._closing or not self._has_async_work():
+                        self._stepping = False
+                        return
                     loop = self._loop
                 results = self._step_once()
                 if results:

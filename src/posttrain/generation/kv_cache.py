@@ -93,15 +93,9 @@ class SlotKVCache:
 
     # ------------------------------------------------------------------ slot moves and memory
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst`."""
-        for k, v in zip(self.keys, self.values):
-            if k is not None:
-                k[dst, :, :length] = k[src, :, :length]
-                v[dst, :, :length] = v[src, :, :length]
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Copy the first `length` positions of slots `src` [m] into slots `dst` [m] (shared prompts)."""
+        """Copy the first `length` positions of slots `src` [m] into slots `dst` [m] (shared prompts,
+        compaction after sequences finish; `src` is read before anything is written)."""
         for k, v in zip(self.keys, self.values):
             if k is not None:
                 k[dst, :, :length] = k[src, :, :length]
