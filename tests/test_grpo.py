@@ -141,21 +141,26 @@ def test_unknown_reward_path_is_a_clear_error(tmp_path):
         run_grpo(small_cfg(tmp_path, "task.reward_fn=no_such_module:reward"))
 
 
+def train_records_by(tmp_path, key: str, values, *overrides) -> dict[str, list[dict]]:
+    """One short run per value of `key` (no validation); each run's per-step training records."""
+    runs = {}
+    for value in values:
+        out = tmp_path / value
+        run_grpo(small_cfg(out, f"{key}={value}", "grpo.val_period=0", "grpo.val_at_start=false", *overrides))
+        runs[value] = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    return runs
+
+
 def test_skipping_the_on_policy_prev_logprob_pass_does_not_change_training(tmp_path):
     """With one optimizer step per batch the PPO ratio is 1 by construction: skipping the extra trainer
     forward (recompute_prev_logprobs=auto) trains exactly like computing it (always)."""
-    runs = {}
-    for mode in ("auto", "always"):
-        cfg = small_cfg(
-            tmp_path / mode,
-            f"grpo.recompute_prev_logprobs={mode}",
-            "grpo.max_num_steps=2",
-            "checkpointing.save_period=2",
-            "grpo.val_period=0",
-            "grpo.val_at_start=false",
-        )
-        run_grpo(cfg)
-        runs[mode] = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/loss" in r]
+    runs = train_records_by(
+        tmp_path,
+        "grpo.recompute_prev_logprobs",
+        ("auto", "always"),
+        "grpo.max_num_steps=2",
+        "checkpointing.save_period=2",
+    )
     for a, b in zip(runs["auto"], runs["always"]):
         assert a["reward"] == b["reward"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
@@ -165,18 +170,13 @@ def test_skipping_the_on_policy_prev_logprob_pass_does_not_change_training(tmp_p
 def test_engine_sharing_the_trainer_weights_trains_like_copying_them(tmp_path):
     """On one CPU process the engine aliases the trainer's tensors (no bytes copied per sync, probe
     still checked); the run is the same as one that copies the weights at every sync."""
-    runs = {}
-    for share in ("auto", "never"):
-        cfg = small_cfg(
-            tmp_path / share,
-            f"weight_sync.share={share}",
-            "grpo.max_num_steps=3",
-            "checkpointing.enabled=false",
-            "grpo.val_period=0",
-            "grpo.val_at_start=false",
-        )
-        run_grpo(cfg)
-        runs[share] = [r for r in read_metrics(tmp_path / share / "metrics.jsonl") if "train/loss" in r]
+    runs = train_records_by(
+        tmp_path,
+        "weight_sync.share",
+        ("auto", "never"),
+        "grpo.max_num_steps=3",
+        "checkpointing.enabled=false",
+    )
     assert all(r["weight_sync/bytes"] == 0 for r in runs["auto"])
     assert all(r["weight_sync/bytes"] > 0 for r in runs["never"])
     for a, b in zip(runs["auto"], runs["never"], strict=True):
