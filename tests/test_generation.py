@@ -422,9 +422,9 @@ def test_weight_loading_is_checked():
 
 
 def test_packed_lm_head_follows_every_weight_change(monkeypatch):
-    """The CPU engine applies the LM head from a packed copy of its weight; a copy-load, an in-place
-    update of shared weights (an optimizer step) and the blocked fallback all give what a fresh engine
-    on the same weights gives."""
+    """The CPU engine applies the LM head from a packed copy of its weight. A copy-load gives what a
+    fresh engine on the same weights gives; shared weights are never packed, so an in-place optimizer
+    step (fused AdamW bumps no version counter) is seen; the blocked fallback agrees too."""
     import posttrain.generation.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
@@ -438,6 +438,7 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
 
     engine = make_engine(seed=0)
     engine.generate(prompts, params)  # packs the seed-0 head
+    assert engine._packed is not None
     new_state = build_tiny_model(VOCAB, seed=30).state_dict()
     engine.load_weights(new_state, version=1)
     assert [r.token_ids for r in engine.generate(prompts, params)] == fresh(new_state)
@@ -446,17 +447,20 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     shared = make_engine()
     shared.share_weights(trainer.state_dict(), version=1)
     shared.generate(prompts, params)
-    with torch.no_grad():  # what an optimizer step does to the aliased tensors
-        for p in trainer.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    assert shared._packed is None
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=0.05, fused=True)
+    for p in trainer.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # in place, on the tensors the engine aliases
     assert [r.token_ids for r in shared.generate(prompts, params)] == fresh(trainer.state_dict())
 
-    assert shared._packed is not None
     hidden = torch.randn(5, trainer.config.hidden_size)
-    expected = trainer.lm_head(hidden)
-    torch.testing.assert_close(shared._head(hidden), expected, rtol=0, atol=1e-5)
-    shared._pack_failed, shared._packed = True, None  # a torch build without oneDNN
-    torch.testing.assert_close(shared._head(hidden), expected, rtol=0, atol=1e-5)
+    engine.load_weights(trainer.state_dict(), version=2)
+    expected = trainer.lm_head(hidden).detach()
+    torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
+    assert engine._packed is not None
+    engine._pack_failed, engine._packed = True, None  # a torch build without oneDNN
+    torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
 
 
 def test_stepping_thread_drops_cancelled_results_and_reports_errors():
@@ -578,3 +582,59 @@ def test_an_engine_serves_one_event_loop_after_another():
     for _ in range(2):
         results = asyncio.run(asyncio.wait_for(run_all(), 30))
         assert [r.token_ids for r in results] == expected
+
+
+def test_sync_calls_after_async_use_neither_hang_nor_lose_results():
+    """A stepping thread left idle by the last asyncio.run must not steal (and drop) the results of a
+    blocking generate() or of submit()-ed requests; a cancelled waiter whose loop has closed does not
+    block generate(); a failing step() keeps the parked results."""
+    prompts = prompts_of([4, 6, 5, 3])
+    params = SamplingParams(max_new_tokens=40, seed=2, stop_at_eos=False)
+    engine = make_engine()
+    expected = [r.token_ids for r in make_engine().generate(prompts, params)]
+
+    async def one():
+        return await engine.agenerate(prompts[0], params)
+
+    async def abandon():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.agenerate(prompts[1], params), 0.001)
+
+    asyncio.run(one())  # the stepping thread now idles for a while
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    asyncio.run(abandon())
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+
+    ids = [engine.submit(p, params, stream_index=i) for i, p in enumerate(prompts)]
+    got = {r.request_id: r.token_ids for r in engine.iter_results()}
+    assert [got[i] for i in ids] == expected
+
+    rid = engine.submit(prompts[2], SamplingParams(max_new_tokens=1, stop_at_eos=False))
+    engine.generate([prompts[3]], SamplingParams(max_new_tokens=3))  # rid finishes: parked
+    engine.sleep()
+    with pytest.raises(EngineStateError, match="asleep"):
+        engine.step()
+    engine.wake()
+    assert [r.request_id for r in engine.step()] == [rid]
+
+
+def test_mistral_sliding_window_shorter_than_the_context_is_refused():
+    """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
+    the engine's context must be refused, not silently treated as full attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mistral",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        sliding_window=16,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        GenerationEngine(model, TOK, GenerationConfig(max_model_len=64))
+    assert GenerationEngine(model, TOK, GenerationConfig(max_model_len=16))._lean is not None

@@ -10,6 +10,7 @@ from helpers import assert_params_close, params_of, policy_cfg
 from posttrain.data.batch import batch_from_sequences, trim_to_longest
 from posttrain.data.microbatch import (
     GroupedRows,
+    MicroBatch,
     SharedPrefix,
     block_causal_mask,
     make_microbatches,
@@ -188,3 +189,20 @@ def test_two_call_plan_on_one_rank_only_keeps_fsdp_ranks_matched(ray_session):
         assert_params_close(params_of(one), params_of(two), rtol=1e-4, atol=1e-5)
     finally:
         two.shutdown()
+
+
+def test_two_call_shared_prefix_keeps_positions_in_range():
+    """A long prompt next to a long completion: padding after the short suffix must not count past the
+    batch width (an absolute-position model indexes its position table with them)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
+    batch = batch_from_sequences([list(range(1, 13)), [1, 2]], [[3, 4], list(range(3, 15))], 0)
+    assert batch["input_ids"].shape[1] == 14 <= config.n_positions
+    plan = plan_shared_prefix(batch, 0, force=True)
+    assert int((plan.split[:, None] + torch.arange(plan.suffix_ids.shape[1])).max()) >= config.n_positions
+    plain = microbatch_logprobs(model, MicroBatch(batch, torch.arange(2)))
+    shared = microbatch_logprobs(model, MicroBatch(batch, torch.arange(2), shared=plan))
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)

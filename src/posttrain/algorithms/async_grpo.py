@@ -85,7 +85,9 @@ class AsyncGRPOConfig(Config):
     max_consecutive_worker_errors: int = Field(
         3, ge=1, description="retire a worker after this many unexplained request errors in a row"
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="bound on one generate_group call")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="bound on generating one group (a call carrying k groups gets k times this)"
+    )
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="bound on one set_weights call")
     trainer_timeout_s: float = Field(600.0, gt=0, description="bound on each trainer call")
     admission_timeout_s: float = Field(1800.0, gt=0, description="bound on waiting for the next group")

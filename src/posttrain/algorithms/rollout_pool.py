@@ -287,6 +287,7 @@ class RolloutPool:
                 return
             slot = min(ready, key=lambda s: (len(s.in_flight), s.index))
             room = self.cfg.outstanding_cap - len(self.in_flight) - self.held()
+            room = -(-room // len(ready))  # an even share: one worker must not take all the work
             room = min(room, self.cfg.max_in_flight_per_worker - len(slot.in_flight))
             if getattr(slot.worker, "generate_groups", None) is None:
                 room = 1
@@ -336,7 +337,8 @@ class RolloutPool:
             call = slot.worker.generate_group(prompts[0], version)
             return [await bounded(call, self.cfg.request_timeout_s, what)]
         call = slot.worker.generate_groups(prompts, version)
-        return await bounded(call, self.cfg.request_timeout_s, what)
+        # request_timeout_s bounds one group; a call carrying k groups may take up to k times as long
+        return await bounded(call, self.cfg.request_timeout_s * len(reqs), what)
 
     def _untrack(self, group_id: int) -> tuple[_Slot, Request, asyncio.Task]:
         slot, req, task = self.in_flight.pop(group_id)

@@ -103,7 +103,8 @@ def _check_supported(model, max_len: int) -> None:
         raise ValueError("GenerationEngine runs decoder-only causal LMs; this model is encoder-decoder")
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
-    if sliding or (getattr(config, "use_sliding_window", False) and window and window < max_len):
+    uses_window = getattr(config, "use_sliding_window", True)  # Qwen2 has the flag, Mistral does not
+    if sliding or (uses_window and window and window < max_len):
         raise ValueError(
             "sliding-window attention is not supported by GenerationEngine yet; set max_model_len <= "
             f"sliding_window ({window}) or disable the sliding window in the model config"
@@ -135,7 +136,6 @@ class GenerationEngine:
         self._body = _plain_head_body(model)
         self._lean = LeanDecoder.for_model(model) if self._body is not None else None
         self._packed: tuple[tuple, torch.Tensor] | None = None  # see _packed_head
-        self._head_source: torch.Tensor | None = None  # the trainer tensor a shared head aliases
         self._pack_failed = not torch.backends.mkldnn.is_available()
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
@@ -167,6 +167,7 @@ class GenerationEngine:
         self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
         self._stepping = False  # a stepping thread is running (see _ensure_driver)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_ids: set[int] = set()  # requests made by agenerate()/astream()
         self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
         self._admit_paused = False
         self.num_generated_tokens = 0
@@ -183,8 +184,8 @@ class GenerationEngine:
     ) -> Request:
         """A validated request. `checked` memoizes validation over one call's repeated prompts/params."""
         checked = {} if checked is None else checked
-        memo = (tuple(prompt), id(params))
-        if memo not in checked:
+        memo = (tuple(prompt), id(params)) if isinstance(prompt, (list, tuple)) else None
+        if memo is None or memo not in checked:
             checked[memo] = (
                 check_prompt(prompt, self.vocab_size, self.max_len),
                 stop_ids(params, self.vocab_size, self.eos_token_id),
@@ -247,7 +248,9 @@ class GenerationEngine:
 
     def step(self) -> list[GenerationResult]:
         """Admit waiting prompts into free slots, decode one token for every slot; return what finished."""
-        done, self._parked = self._parked, []
+        self._check_can_run()  # before taking the parked results, so an error loses none
+        with self._lock:
+            done, self._parked = self._parked, []
         return done + self._step_once()
 
     def _step_once(self) -> list[GenerationResult]:
@@ -267,6 +270,7 @@ class GenerationEngine:
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[GenerationResult]:
         """Generate a completion for every prompt (blocking); results in prompt order."""
+        self._futures = {k: f for k, f in self._futures.items() if not (f.done() or f.get_loop().is_closed())}
         if self._futures:
             raise EngineStateError(
                 "generate() called while asynchronous requests are pending; await them first "
@@ -382,8 +386,9 @@ class GenerationEngine:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [n, H] -> logits [n, V]. On CPU it uses a oneDNN copy of the
         weight packed for matmul (11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one
-        thread; packed again whenever the weight changes, in-place updates of shared weights included),
-        or vocabulary blocks into one output buffer where oneDNN is missing."""
+        thread), packed again after every load; not for shared weights, whose in-place updates (a fused
+        optimizer step bumps no version counter) a copy would miss. Otherwise (and where oneDNN is
+        missing) vocabulary blocks into one output buffer."""
         weight = self._lm_head.weight
         if hidden.device.type != "cpu" or hidden.shape[0] == 0:
             return torch.nn.functional.linear(hidden, weight)
@@ -397,12 +402,13 @@ class GenerationEngine:
         return out
 
     def _packed_head(self, weight: torch.Tensor):
-        """The oneDNN-packed LM-head weight, re-packed when the weight's storage or version changed;
-        None where this torch build or dtype has no packed fp32 linear."""
-        if self._pack_failed or weight.dtype != torch.float32 or weight.numel() < _PACK_MIN_NUMEL:
+        """The oneDNN-packed LM-head weight (re-packed when its storage changed; loads, sleep and wake
+        drop it); None for shared or small heads, non-fp32 weights, or a torch build without oneDNN."""
+        if self._pack_failed or self._shared or weight.dtype != torch.float32:
             return None
-        source = weight if self._head_source is None else self._head_source
-        key = (weight.data_ptr(), source._version, tuple(weight.shape))
+        if weight.numel() < _PACK_MIN_NUMEL:
+            return None
+        key = (weight.data_ptr(), tuple(weight.shape))
         if self._packed is None or self._packed[0] != key:
             self._packed = None
             try:
@@ -502,7 +508,10 @@ class GenerationEngine:
         fut = self._track(req)
         self._waiting.append(req)
         self._ensure_driver()
-        return await fut
+        try:
+            return await fut
+        finally:
+            self._futures.pop(req.request_id, None)  # also when cancelled: nobody waits any more
 
     async def astream(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -518,6 +527,7 @@ class GenerationEngine:
     def _track(self, req: Request) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self._futures[req.request_id] = fut
+        self._async_ids.add(req.request_id)  # its result goes to the loop (or is dropped), never parked
         return fut
 
     def _ensure_driver(self) -> None:
@@ -557,8 +567,14 @@ class GenerationEngine:
                         return
                     loop = self._loop
                 results = self._step_once()
-                if results:
-                    _post(loop, self._deliver, results)
+                waited = [r for r in results if r.request_id in self._async_ids]
+                kept = [r for r in results if r.request_id not in self._async_ids]
+                self._async_ids.difference_update(r.request_id for r in waited)
+                if kept:  # submit()/generate() requests: their results wait for step()
+                    with self._lock:
+                        self._parked += kept
+                if waited:
+                    _post(loop, self._deliver, waited)
         except BaseException as e:  # hand the error to every waiter
             with self._work:
                 self._stepping = False
@@ -567,13 +583,11 @@ class GenerationEngine:
             _post(loop, self._fail_all, e)
 
     def _deliver(self, results: list[GenerationResult]) -> None:
-        """Resolve the futures of finished requests (on the event loop). A cancelled waiter's result is
-        dropped; a request submitted with submit() keeps its result for the next step()."""
+        """Resolve the futures of finished requests (on the event loop); a cancelled waiter's result is
+        dropped."""
         for res in results:
             fut = self._futures.pop(res.request_id, None)
-            if fut is None:
-                self._parked.append(res)
-            elif not fut.done():
+            if fut is not None and not fut.done():
                 try:
                     fut.set_result(res)
                 except RuntimeError:  # its loop has closed (asyncio.run ended): nobody is waiting
@@ -655,7 +669,6 @@ class GenerationEngine:
                 t.data = torch.empty_like(t.data)
             self._shared = False
         self._weights_valid = False
-        self._head_source = None
         return WeightLoad(self)
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:

@@ -41,8 +41,6 @@ class WeightLoad:
                         f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
                     )
                 target.data = tensor.detach()
-                if self.engine._lm_head is not None and target is self.engine._lm_head.weight:
-                    self.engine._head_source = tensor  # its version counter tracks in-place updates
             else:
                 target.data.copy_(tensor)
                 self.nbytes += tensor.numel() * tensor.element_size()

@@ -122,7 +122,10 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
     causal = (ar_s[:, None] >= ar_s[None, :])[None].expand(b, s, s)
     logits_s = model(
         input_ids=suf,
-        position_ids=plan.split[:, None] + ar_s[None, :],
+        # padding after a short suffix would count past the batch's width t: clamp it to t - 1 (real
+        # tokens are all below t), so absolute-position models stay in range and no position exceeds
+        # what the plain forward over the padded batch uses (dynamic rope scaling sees the same max)
+        position_ids=(plan.split[:, None] + ar_s[None, :]).clamp(max=plan.gather_index.shape[1] - 1),
         attention_mask=_mask(model, torch.cat([sees_prefix, causal], dim=2)),
         past_key_values=kv,
         use_cache=True,
