@@ -492,28 +492,29 @@ def test_stepping_thread_drops_cancelled_results_and_reports_errors():
         asyncio.run(asyncio.wait_for(failing(make_engine()), 30))
 
 
-def test_qwen3_uses_the_generic_body_and_still_matches_transformers():
-    """Qwen3 normalizes queries and keys per head, which the lean decode step does not do: the engine
-    must notice and keep the Hugging Face body (its own LM head still applies)."""
+def family_model(family: str, **overrides):
+    """A tiny randomly initialised model of any transformers family (fp32, sdpa, eval mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "qwen3",
+    shape = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
     )
+    config = AutoConfig.for_model(family, **(shape | overrides))
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_qwen3_uses_the_generic_body_and_still_matches_transformers():
+    """Qwen3 normalizes queries and keys per head, which the lean decode step does not do: the engine
+    must notice and keep the Hugging Face body (its own LM head still applies)."""
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = family_model("qwen3", head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    reference = family_model("qwen3", head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     reference.load_state_dict(model.state_dict())
     engine = GenerationEngine(model, TOK)
     assert engine._lean is None and engine._body is not None
@@ -621,20 +622,7 @@ def test_sync_calls_after_async_use_neither_hang_nor_lose_results():
 def test_mistral_sliding_window_shorter_than_the_context_is_refused():
     """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
     the engine's context must be refused, not silently treated as full attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "mistral",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        sliding_window=16,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = family_model("mistral", num_hidden_layers=1, sliding_window=16)
     with pytest.raises(ValueError, match="sliding-window attention is not supported"):
         GenerationEngine(model, TOK, GenerationConfig(max_model_len=64))
     assert GenerationEngine(model, TOK, GenerationConfig(max_model_len=16))._lean is not None
