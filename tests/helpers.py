@@ -22,3 +22,13 @@ def assert_params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def small_run_policy() -> dict:
+    """The policy section of the tiny GRPO runs of the loop tests (sync and async)."""
+    return {
+        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}},
+        "train_global_batch_size": 16,
+        "microbatch": {"train_micro_batch_size": 16},
+        "optimizer": {"lr": 1e-3},
+    }

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import small_run_policy
 from posttrain.algorithms.async_engine_worker import (
     EngineRolloutWorker,
     GroupSamples,
@@ -47,12 +48,7 @@ from posttrain.tasks.rewards import RewardError
 
 def small_cfg(out, *overrides: str) -> AsyncGRPORunConfig:
     base = {
-        "policy": {
-            "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}},
-            "train_global_batch_size": 16,
-            "microbatch": {"train_micro_batch_size": 16},
-            "optimizer": {"lr": 1e-3},
-        },
+        "policy": small_run_policy(),
         "generation": {"max_num_seqs": 32},
         "sampling": {"max_new_tokens": 3},
         "grpo": {"num_generations_per_prompt": 4, "val_period": 2},

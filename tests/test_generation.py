@@ -23,15 +23,6 @@ TOK = build_char_tokenizer()
 VOCAB = len(TOK)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def make_engine(family: str = "llama", seed: int = 0, **cfg) -> GenerationEngine:
     return GenerationEngine(build_tiny_model(VOCAB, seed=seed, family=family), TOK, GenerationConfig(**cfg))
 

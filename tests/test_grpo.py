@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers import small_run_policy
 from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 from posttrain.config import apply_overrides, build_config
 from posttrain.logging import read_metrics
@@ -20,12 +21,7 @@ TINY = {"policy": {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64
 
 def small_cfg(out, *overrides) -> GRPOConfig:
     base = {
-        "policy": {
-            "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}},
-            "train_global_batch_size": 16,
-            "microbatch": {"train_micro_batch_size": 16},
-            "optimizer": {"lr": 1e-3},
-        },
+        "policy": small_run_policy(),
         "generation": {"max_num_seqs": 16},
         "sampling": {"max_new_tokens": 3},
         "grpo": {

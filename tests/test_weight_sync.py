@@ -37,15 +37,6 @@ PROMPTS = [[5, 9, 14, 22], [7], [30, 31, 32, 33, 34, 35, 36], [12, 40]]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread avoids OpenMP barrier stalls."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def build_engine_parts(seed: int = 77):
     """Model and tokenizer of an engine (weights get replaced by every sync)."""
     return model_parts("tiny", seed)
