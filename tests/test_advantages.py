@@ -56,3 +56,48 @@ def test_zero_variance_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
     assert zero_variance_groups(rewards, groups, torch.ones(6, dtype=torch.bool)) == {0, 2}
+
+
+def _loop_reference(rewards, groups, valid, leave_one_out, std_scaling):
+    """Per-group loop, the definition the vectorized code must match."""
+    r = [float(x) for x in rewards]
+    ok = [bool(v) and math.isfinite(x) for v, x in zip(valid, r)]
+    out = [0.0] * len(r)
+    members_of: dict[int, list[int]] = {}
+    for i, g in enumerate(groups.tolist()):
+        if ok[i]:
+            members_of.setdefault(g, []).append(i)
+    all_valid = [r[i] for i in range(len(r)) if ok[i]]
+    batch_std = torch.tensor(all_valid, dtype=torch.float64).std().item() if len(all_valid) > 1 else 0.0
+    for members in members_of.values():
+        vals = [r[i] for i in members]
+        n, total = len(vals), sum(vals)
+        std = torch.tensor(vals, dtype=torch.float64).std().item() if n > 1 else 0.0
+        for i in members:
+            base = (total - r[i]) / (n - 1) if leave_one_out and n > 1 else total / n
+            scale = {"none": 1.0, "group": std + 1e-6, "batch": batch_std + 1e-6}[std_scaling]
+            out[i] = (r[i] - base) / scale
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("std_scaling", ["none", "group", "batch"])
+def test_vectorized_advantages_match_a_per_group_loop(leave_one_out, std_scaling):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        rewards = torch.randint(0, 3, (n,), generator=g).float()
+        if trial % 2:
+            rewards = torch.rand(n, generator=g)
+        rewards[torch.rand(n, generator=g) > 0.9] = math.nan  # failed rewards
+        groups = torch.randint(0, 5, (n,), generator=g) * 11  # sparse, unordered prompt ids
+        valid = torch.rand(n, generator=g) > 0.2
+        got = group_advantages(rewards, groups, valid, leave_one_out=leave_one_out, std_scaling=std_scaling)
+        want = _loop_reference(rewards, groups, valid, leave_one_out, std_scaling)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        usable = valid & torch.isfinite(rewards)
+        assert zero_variance_groups(rewards, groups, usable) == {
+            gid
+            for gid in set(groups.tolist())
+            if len({float(rewards[i]) for i in range(n) if groups[i] == gid and usable[i]}) <= 1
+        }

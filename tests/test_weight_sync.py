@@ -85,13 +85,45 @@ def test_in_process_share_sync_follows_the_trainer():
     assert metrics["bytes"] == 0.0 and metrics["probe_max_abs_diff"] < 1e-5
     train(policy, steps=1)  # in-place optimizer step on the shared tensors
     metrics = sync.sync_local(policy, engine, version_of(policy), share=True)
-    assert metrics["probe_max_abs_diff"] < 1e-5 and engine.weight_version == 1
+    # nothing was re-pointed after a passed probe: the aliasing is the check, the probe is skipped
+    assert metrics["probe_skipped"] == 1.0 and "probe_max_abs_diff" not in metrics
+    assert engine.weight_version == 1
+    assert (
+        sync.check(engine.compute_logprobs(sync.probe.sequences), sync.trainer_probe(policy), 1)[
+            "probe_max_abs_diff"
+        ]
+        < 1e-5
+    )
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == fresh_outputs(policy.full_state_dict())
     # a later copy-sync must not write into the trainer's tensors
     snapshot = {k: v.clone() for k, v in policy.full_state_dict().items()}
     engine.load_weights(GenerationEngine(*build_engine_parts(seed=5)).model.state_dict(), version=9)
     for k, v in policy.full_state_dict().items():
         torch.testing.assert_close(v, snapshot[k], rtol=0, atol=0)
+
+
+def test_share_sync_probes_again_when_a_tensor_is_re_pointed():
+    policy = Policy(policy_cfg())
+    engine = GenerationEngine(*build_engine_parts())
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    first = sync.sync_local(policy, engine, 0, share=True)
+    assert "probe_skipped" not in first and first["probe_max_abs_diff"] < 1e-5
+    model = policy.group.workers[0].model
+    weight = next(model.parameters())
+    weight.data = weight.data.clone()  # the trainer replaced one parameter's memory
+    again = sync.sync_local(policy, engine, 0, share=True)
+    assert "probe_skipped" not in again and again["probe_max_abs_diff"] < 1e-5
+    assert sync.sync_local(policy, engine, 0, share=True)["probe_skipped"] == 1.0
+    # a copy-load in between ends the aliasing: the next share re-points everything and probes
+    assert "probe_skipped" not in sync.sync_local(policy, engine, 0)
+    assert "probe_skipped" not in sync.sync_local(policy, engine, 0, share=True)
+    # another engine is not verified by this one's probe
+    other = GenerationEngine(*build_engine_parts())
+    assert "probe_skipped" not in sync.sync_local(policy, other, 0, share=True)
+    # recheck_shared probes every shared sync
+    always = WeightSync(WeightSyncConfig(probe={"recheck_shared": True}), VOCAB)
+    for _ in range(2):
+        assert always.sync_local(policy, engine, 0, share=True)["probe_max_abs_diff"] < 1e-5
 
 
 def test_in_process_sync_gathers_fsdp2_shards():

@@ -7,6 +7,7 @@ caller also sets their sample_mask to 0. A group whose samples all failed contri
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -30,34 +31,38 @@ def group_advantages(
     rewards = rewards.double()
     valid = torch.isfinite(rewards) if valid is None else (valid.bool() & torch.isfinite(rewards))
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
-    adv = torch.zeros_like(r)
-    group_std = torch.zeros_like(r)
-    for g in torch.unique(group_ids):
-        members = (group_ids == g) & valid
-        n = int(members.sum())
-        if n == 0:
-            continue
-        total = r[members].sum()
-        if leave_one_out and n > 1:
-            baseline = (total - r[members]) / (n - 1)
-        else:
-            baseline = total / n
-        adv[members] = r[members] - baseline
-        group_std[members] = r[members].std(unbiased=True) if n > 1 else 0.0
-    if std_scaling == "group":
-        adv = adv / (group_std + eps)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n = _group_sum(valid.double(), inv)  # valid members per group, at each sample
+    total = _group_sum(r, inv)
+    mean = total / n.clamp(min=1)
+    if leave_one_out:
+        baseline = torch.where(n > 1, (total - r) / (n - 1).clamp(min=1), mean)
+    else:
+        baseline = mean
+    adv = r - baseline
+    if std_scaling == "group":  # unbiased std of each group's valid rewards (0 for a single member)
+        sq = _group_sum(torch.where(valid, (r - mean) ** 2, torch.zeros_like(r)), inv)
+        adv = adv / (torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq)) + eps)
     elif std_scaling == "batch":
         batch_std = r[valid].std(unbiased=True) if int(valid.sum()) > 1 else torch.zeros(())
         adv = adv / (batch_std + eps)
     return torch.where(valid, adv, torch.zeros_like(adv)).float()
 
 
+def _group_sum(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Per-sample sum of `values` over the sample's group (`inv`: group index of each sample)."""
+    sums = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=values.dtype).index_add_(0, inv, values)
+    return sums[inv]
+
+
 def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> set[int]:
     """Ids of groups whose valid rewards are all equal (they carry no learning signal)."""
-    out = set()
-    for g in torch.unique(group_ids):
-        members = (group_ids == g) & valid.bool()
-        values = rewards[members]
-        if len(values) == 0 or bool((values == values[0]).all()):
-            out.add(int(g))
-    return out
+    ids, inv = torch.unique(group_ids, return_inverse=True)
+    valid = valid.bool()
+    vals = rewards.double()
+    lo = torch.full((len(ids),), math.inf, dtype=torch.float64)
+    hi = torch.full((len(ids),), -math.inf, dtype=torch.float64)
+    lo.scatter_reduce_(0, inv[valid], vals[valid], "amin")
+    hi.scatter_reduce_(0, inv[valid], vals[valid], "amax")
+    flat = (lo == hi) | (lo > hi)  # all equal, or no valid member (lo stays +inf, hi -inf)
+    return set(ids[flat].tolist())

@@ -242,16 +242,16 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     return run
 
 
-def _seed(run: Run, salt: int, index: int) -> int:
-    return (run.cfg.grpo.seed * 1_000_003 + run.step * 10_007 + salt * 101 + index) % (2**31)
+def _seed(run: Run, salt: int) -> int:
+    return (run.cfg.grpo.seed * 1_000_003 + run.step * 10_007 + salt * 101) % (2**31)
 
 
 def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[GenerationResult]:
-    """num_generations_per_prompt completions for each prompt, with per-sample seeds."""
+    """num_generations_per_prompt completions for each prompt. One seed per call: the engine gives
+    sample i its own random stream (seed, i), so every sample's draws are reproducible and distinct."""
     g = run.cfg.grpo.num_generations_per_prompt
     prompts = [list(it.prompt_token_ids) for it in items for _ in range(g)]
-    params = [run.cfg.sampling.model_copy(update={"seed": _seed(run, salt, i)}) for i in range(len(prompts))]
-    return run.engine.generate(prompts, params)
+    return run.engine.generate(prompts, run.cfg.sampling.model_copy(update={"seed": _seed(run, salt)}))
 
 
 def score(

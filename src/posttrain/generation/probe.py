@@ -28,6 +28,12 @@ class ProbeConfig(Config):
     """The probe batch and its threshold."""
 
     enabled: bool = Field(True, description="compare engine and trainer logprobs after every sync")
+    recheck_shared: bool = Field(
+        False,
+        description="also probe syncs that find the engine already aliasing every trainer tensor "
+        "(weight_sync.share): such a sync moves nothing, the optimizer updated the shared memory in "
+        "place; off = probe the first sync after any tensor is re-pointed, then check the aliasing only",
+    )
     num_sequences: int = Field(4, ge=1, description="probe rows (rounded up to a multiple of the DP size)")
     max_length: int = Field(16, ge=2, description="longest probe row; rows have lengths in [len/2, len]")
     seed: int = Field(1234, description="seed of the probe tokens")

@@ -15,13 +15,15 @@ Three transports, one contract (a stream of full, unsharded `(name, tensor)` pai
   (`load_ipc_bucket`) before the sender refills the buffer. No copy through the host.
 
 After every sync `WeightSync` compares engine and trainer logprobs on a fixed probe batch
-(generation/probe.py) and fails loudly above the threshold.
+(generation/probe.py) and fails loudly above the threshold. One exception: a shared sync that finds the
+engine already aliasing every trainer tensor after a passed probe (nothing moved; see `sync_local`).
 """
 
 from __future__ import annotations
 
 import pickle
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -374,6 +376,7 @@ class WeightSync:
     def __init__(self, cfg: WeightSyncConfig, vocab_size: int, dp_size: int = 1) -> None:
         self.cfg = cfg
         self.probe = ProbeBatch(cfg.probe, vocab_size, multiple_of=dp_size)
+        self._verified_shares: weakref.WeakSet = weakref.WeakSet()  # engines whose aliasing passed a probe
 
     def trainer_probe(self, policy) -> torch.Tensor:
         """[B, T] trainer logprobs of the probe batch (at the trainer's logprob temperature)."""
@@ -388,19 +391,38 @@ class WeightSync:
     def sync_local(
         self, policy, engine: GenerationEngine, version: int, share: bool = False
     ) -> dict[str, float]:
-        """In-process refit from a Policy (any backend; `share` needs the local backend)."""
+        """In-process refit from a Policy (any backend; `share` needs the local backend).
+
+        A shared sync that finds the engine already aliasing every trainer tensor, after a probe passed
+        on that aliasing, transfers nothing that could go wrong: the engine computes with the very
+        memory the optimizer just updated. It is not probed again (`probe.recheck_shared` to force);
+        any re-pointed tensor (a trainer that replaced a parameter, an engine loaded by copy in
+        between) brings the probe back."""
+        if share:
+            start = time.perf_counter()
+            stats = sync_model(_local_model(policy), engine, version, share=True)
+            metrics = self._metrics(stats, start, version)
+            verified = stats["tensors_repointed"] == 0 and engine in self._verified_shares
+            if not self.cfg.probe.enabled or (verified and not self.cfg.probe.recheck_shared):
+                return metrics | {"probe_skipped": float(self.cfg.probe.enabled)}
+            metrics |= self._check_local(policy, engine, self.trainer_probe(policy), version)
+            self._verified_shares.add(engine)
+            return metrics
+        self._verified_shares.discard(engine)  # a copy-load ends any aliasing
         reference = self.trainer_probe(policy) if self.cfg.probe.enabled else None
         start = time.perf_counter()
-        if share:
-            stats = sync_model(_local_model(policy), engine, version, share=True)
-        else:
-            stats = engine.load_weights(policy.full_state_dict(), version)
-        metrics = {"seconds": time.perf_counter() - start, "bytes": stats["bytes"], "version": float(version)}
+        metrics = self._metrics(engine.load_weights(policy.full_state_dict(), version), start, version)
         if reference is not None:
-            temperature = policy.cfg.logprob_temperature
-            lp = engine.compute_logprobs(self.probe.sequences, temperature)
-            metrics |= self.check(lp, reference, version)
+            metrics |= self._check_local(policy, engine, reference, version)
         return metrics
+
+    @staticmethod
+    def _metrics(stats: dict, start: float, version: int) -> dict[str, float]:
+        return {"seconds": time.perf_counter() - start, "bytes": stats["bytes"], "version": float(version)}
+
+    def _check_local(self, policy, engine: GenerationEngine, reference: torch.Tensor, version: int) -> dict:
+        lp = engine.compute_logprobs(self.probe.sequences, policy.cfg.logprob_temperature)
+        return self.check(lp, reference, version)
 
     def sync_remote(self, policy, engines: list, group: WeightSyncGroup, version: int) -> dict[str, float]:
         """Refit Ray engine actors (`RolloutEngine`) that joined `group` as ranks 1..n; this process is

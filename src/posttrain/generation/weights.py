@@ -29,6 +29,7 @@ class WeightLoad:
         self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
         self.seen: set[int] = set()
         self.nbytes = 0
+        self.repointed = 0  # shared tensors that were not already aliased by the engine
 
     def add(self, name: str, tensor: torch.Tensor, share: bool = False) -> None:
         """Copy (or, with `share`, alias) one tensor into the engine's tensor of that name."""
@@ -40,6 +41,8 @@ class WeightLoad:
                         f"cannot share '{name}': the engine wants {target.dtype} on {target.device}, got "
                         f"{tensor.dtype} on {tensor.device}; use load_weights() (copy) instead"
                     )
+                if not _aliases(target, tensor):
+                    self.repointed += 1
                 target.data = tensor.detach()
             else:
                 target.data.copy_(tensor)
@@ -73,4 +76,17 @@ class WeightLoad:
                 "engine refuses to generate until a load delivers the full state dict"
             )
         self.engine._mark_loaded(version)
-        return {"bytes": float(self.nbytes), "tensors": float(len(self.seen))}
+        return {
+            "bytes": float(self.nbytes),
+            "tensors": float(len(self.seen)),
+            "tensors_repointed": float(self.repointed),
+        }
+
+
+def _aliases(target: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether `target` already views exactly `tensor`'s memory (same storage, offset and strides)."""
+    return (
+        target.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        and target.storage_offset() == tensor.storage_offset()
+        and target.stride() == tensor.stride()
+    )

@@ -116,6 +116,12 @@ class PolicyWorker:
             share_prefix=share_prefix and mb.share_prefix and supports_shared_prefix(self.model),
         )
 
+    def _model_to_device(self) -> None:
+        """Parameters and buffers to the device, unless the phase already keeps them there (TRAINING and
+        INFERENCE do; the walk over every module costs more than the rest of a transition on CPU)."""
+        if self.lifecycle.phase is Phase.OFFLOADED:
+            offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
+
     def _set_training(self, mode: bool) -> None:
         """Train/eval mode; skips the walk over every module when the model is already there."""
         if self.model.training != mode:
@@ -165,16 +171,18 @@ class PolicyWorker:
     @verb(*ANY_PHASE, transition=True)
     def prepare_for_training(self) -> None:
         """Model and optimizer state on the device; training mode."""
-        offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
-        offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        if self.lifecycle.phase is not Phase.TRAINING:  # TRAINING holds both on the device already
+            self._model_to_device()
+            offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
         self._set_training(True)
         self.lifecycle.phase = Phase.TRAINING
 
     @verb(*ANY_PHASE, transition=True)
     def prepare_for_lp_inference(self) -> None:
         """Model on the device, optimizer state on the host; eval mode."""
-        offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
-        offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        if self.lifecycle.phase is not Phase.INFERENCE:
+            self._model_to_device()
+            offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
         self._set_training(False)
         self.lifecycle.phase = Phase.INFERENCE
 
