@@ -74,7 +74,12 @@ class Setting:
 
 
 QUICK = Setting(sft_steps=10, prompts_per_step=4, generations=4, max_new_tokens=4, steps=4, seeds=(0,))
-FULL = Setting(sft_steps=150, prompts_per_step=16, generations=8, max_new_tokens=4, steps=40, seeds=(0, 1, 2))
+# lr 3e-4 for 150 steps: the setting where GRPO raises held-out accuracy on this task (posttrain alone,
+# seed 0: 0.237 -> 0.438); at lr 1e-3 for 40 steps both sides ended below the warm start, so the
+# accuracy comparison measured noise
+FULL = Setting(
+    sft_steps=150, prompts_per_step=16, generations=8, max_new_tokens=4, steps=150, seeds=(0, 1, 2), lr=3e-4
+)
 
 
 def _task(tokenizer):

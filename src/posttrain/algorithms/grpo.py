@@ -260,7 +260,7 @@ def score(
     """Rewards and failure flags (failed rewards are marked, never zeroed), with overlong shaping."""
     g = run.cfg.grpo.num_generations_per_prompt
     flat = [it for it in items for _ in range(g)]
-    texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    texts = decode_completions(run.tokenizer, results)
     res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
     rewards = torch.tensor(
         [float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32
@@ -273,6 +273,18 @@ def score(
         over = (lengths - (limit - loop.overlong_buffer_length)).clamp(min=0) / loop.overlong_buffer_length
         rewards = rewards - loop.overlong_penalty * over.clamp(max=1.0)
     return rewards, failed, res.summary()
+
+
+def decode_completions(tokenizer, results: list[GenerationResult]) -> list[str]:
+    """Completion texts; identical completions (frequent in a group of short answers) decoded once."""
+    seen: dict[tuple[int, ...], str] = {}
+    out = []
+    for r in results:
+        key = tuple(r.token_ids)
+        if key not in seen:
+            seen[key] = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        out.append(seen[key])
+    return out
 
 
 def generate(run: Run) -> Rollouts:
@@ -464,7 +476,7 @@ def validate(run: Run) -> dict[str, float]:
     ]
     results = run.engine.generate(prompts, params)
     colocated_generation_end(run)
-    texts = [run.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+    texts = decode_completions(run.tokenizer, results)
     flat = [it for it in items for _ in range(k)]
     res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
     correct = torch.tensor([(r if not f else 0.0) >= 1.0 for r, f in zip(res.rewards, res.failed)]).view(
