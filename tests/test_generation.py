@@ -537,6 +537,19 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_results():
     assert len({tuple(r.token_ids) for r in got[:4]}) == 4  # own random streams: distinct completions
 
 
+def test_prefill_budget_counts_a_repeated_prompt_once():
+    """max_prefill_tokens bounds what one prefill forward computes: the distinct prompts padded to the
+    longest. Repeats of a prompt ride along for free; a new distinct prompt that overflows starts a chunk."""
+    a, b = prompts_of([7, 7])
+    engine = make_engine(max_num_seqs=16, max_prefill_tokens=len(a))
+    prefilled = []
+    plan = engine.cache.plan_prefill
+    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+    results = engine.generate([a] * 8 + [b] * 8, SamplingParams(max_new_tokens=2, seed=0))
+    assert prefilled == [1, 1]  # two forwards of one distinct row each, admitting 8 requests each
+    assert [r.prompt_token_ids for r in results] == [a] * 8 + [b] * 8
+
+
 def test_requests_gathered_in_one_loop_turn_are_admitted_together():
     prompt = prompts_of([6])[0]
     params = [SamplingParams(max_new_tokens=5, seed=i, stop_at_eos=False) for i in range(6)]

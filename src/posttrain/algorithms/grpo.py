@@ -238,7 +238,12 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     run.share_weights = (
         cfg.weight_sync.share == "auto" and not time_shares_device(run) and can_share(policy, engine)
     )
-    sync_weights(run)
+    first = sync_weights(run)
+    log.info(
+        "engine %s the trainer's weights; probe max |engine - trainer| logprob difference %.3g",
+        "aliases" if run.share_weights else "holds a copy of",
+        first.get("weight_sync/probe_max_abs_diff", float("nan")),
+    )
     return run
 
 

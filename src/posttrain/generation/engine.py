@@ -302,13 +302,19 @@ class GenerationEngine:
     # ------------------------------------------------------------------ prefill
 
     def _take_chunk(self) -> list[Request]:
+        """The next prefill chunk: waiting requests in order, while the distinct prompts (repeats are
+        prefilled once, see _prefill) padded to the longest fit `max_prefill_tokens`."""
         chunk: list[Request] = []
+        distinct: set[tuple[int, ...]] = set()
         longest = 0
         while self._waiting and len(self._active) + len(chunk) < self.cfg.max_num_seqs:
-            n = max(longest, len(self._waiting[0].prompt))
-            if chunk and n * (len(chunk) + 1) > self.cfg.max_prefill_tokens:
+            prompt = tuple(self._waiting[0].prompt)
+            rows = len(distinct) + (prompt not in distinct)
+            n = max(longest, len(prompt))
+            if chunk and n * rows > self.cfg.max_prefill_tokens:
                 break
             chunk.append(self._waiting.popleft())
+            distinct.add(prompt)
             longest = n
         return chunk
 
