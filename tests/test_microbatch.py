@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from conftest import random_batch
 from helpers import assert_params_close, params_of, policy_cfg
-from posttrain.data.batch import batch_from_sequences, trim_to_longest
+from posttrain.data.batch import batch_from_sequences, completion_values, trim_to_longest
 from posttrain.data.microbatch import (
     GroupedRows,
     MicroBatch,
@@ -206,3 +208,24 @@ def test_two_call_shared_prefix_keeps_positions_in_range():
     plain = microbatch_logprobs(model, MicroBatch(batch, torch.arange(2)))
     shared = microbatch_logprobs(model, MicroBatch(batch, torch.arange(2), shared=plan))
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+
+
+def test_batch_from_sequences_lays_out_rows_and_completion_values():
+    """Right-padded rows, completion-only token mask, and per-token values at the completion positions,
+    against the plain nested-list layout, over random shapes (empty completions included)."""
+    rng = random.Random(1)
+    for _ in range(30):
+        n = rng.randrange(1, 12)
+        prompts = [[rng.randrange(1, 50) for _ in range(rng.randrange(1, 9))] for _ in range(n)]
+        comps = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 7))] for _ in range(n)]
+        values = [[rng.random() for _ in c] for c in comps]
+        batch = batch_from_sequences(prompts, comps, pad_id=7)
+        t = max(len(p) + len(c) for p, c in zip(prompts, comps))
+        pad = [t - len(p) - len(c) for p, c in zip(prompts, comps)]
+        assert batch["input_ids"].tolist() == [p + c + [7] * k for p, c, k in zip(prompts, comps, pad)]
+        assert batch["token_mask"].tolist() == [
+            [0.0] * len(p) + [1.0] * len(c) + [0.0] * k for p, c, k in zip(prompts, comps, pad)
+        ]
+        assert batch["input_lengths"].tolist() == [len(p) + len(c) for p, c in zip(prompts, comps)]
+        want = torch.tensor([[0.0] * len(p) + v + [0.0] * k for p, v, k in zip(prompts, values, pad)])
+        assert torch.equal(completion_values(batch, values), want)

@@ -24,7 +24,7 @@ from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointMa
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
 from posttrain.algorithms.sft import LoggingConfig
 from posttrain.config import Config, dump_config
-from posttrain.data.batch import batch_from_sequences
+from posttrain.data.batch import batch_from_sequences, completion_values
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig, can_share
@@ -396,9 +396,7 @@ def samples_to_batch(
     batch = batch_from_sequences(
         [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist()
     )
-    t = batch["input_ids"].shape[1]
-    rows = [[0.0] * len(r.prompt_token_ids) + list(r.logprobs) for r in results]
-    batch["generation_logprobs"] = torch.tensor([row + [0.0] * (t - len(row)) for row in rows])
+    batch["generation_logprobs"] = completion_values(batch, (r.logprobs for r in results))
     batch["advantages"] = adv[:, None] * batch["token_mask"]
     metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics

@@ -6,6 +6,9 @@ of token t given tokens < t, and position 0 holds 0.
 
 from __future__ import annotations
 
+import array
+from collections.abc import Iterable
+
 import torch
 from tensordict import TensorDict
 
@@ -141,19 +144,33 @@ def batch_from_sequences(
         )
     if not prompts:
         raise ValueError("cannot build a batch from zero sequences")
-    prompt_lens = [len(p) for p in prompts]
-    lengths = [n + len(c) for n, c in zip(prompt_lens, completions)]
-    t = max(lengths)
-    rows = [[*p, *c, *[pad_id] * (t - n)] for p, c, n in zip(prompts, completions, lengths)]
-    ids = torch.tensor(rows, dtype=torch.long)  # one conversion for the whole batch
-    positions = torch.arange(t)[None, :]
-    starts = torch.tensor(prompt_lens, dtype=torch.long)[:, None]
-    ends = torch.tensor(lengths, dtype=torch.long)
-    token_mask = ((positions >= starts) & (positions < ends[:, None])).float()
+    starts = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    ends = starts + torch.tensor([len(c) for c in completions], dtype=torch.long)
+    positions = torch.arange(int(ends.max()))[None, :]
+    filled = positions < ends[:, None]
+    ids = torch.full(filled.shape, pad_id, dtype=torch.long)
+    ids[filled] = flat_tensor((row for p, c in zip(prompts, completions) for row in (p, c)), torch.long)
     mask = torch.tensor(sample_mask if sample_mask is not None else [1.0] * len(prompts), dtype=torch.float32)
     return make_batch(
         input_ids=ids,
         input_lengths=ends,
-        token_mask=token_mask,
+        token_mask=(filled & (positions >= starts[:, None])).float(),
         sample_mask=mask,
     )
+
+
+def completion_values(batch: TensorDict, values: Iterable[list[float]]) -> torch.Tensor:
+    """Per-completion-token values (e.g. generation logprobs, one list per row) laid out like the
+    batch [B, T] in float32: at the token_mask positions, 0 elsewhere."""
+    out = torch.zeros(batch["token_mask"].shape)
+    out[batch["token_mask"].bool()] = flat_tensor(values, torch.float64).float()
+    return out
+
+
+def flat_tensor(rows: Iterable[list], dtype: torch.dtype) -> torch.Tensor:
+    """The rows concatenated into one 1-D tensor (int64 or float64), through a typed array: about
+    twice as fast as `torch.tensor` on a list, which matters at 10^6 tokens per step."""
+    buf = array.array("q" if dtype == torch.long else "d")
+    for row in rows:
+        buf.extend(row)
+    return torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.zeros(0, dtype=dtype)
