@@ -119,7 +119,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, 
         real_replace(src, dst)
 
     target = {
-        "dcp_writer": (checkpoint.HuggingFaceStorageWriter, "write_data", crash),
+        "dcp_writer": (checkpoint.dcp.HuggingFaceStorageWriter, "write_data", crash),
         "rng_files": (checkpoint, "_save_rng", crash),
         "commit": (checkpoint.os, "replace", crash_moving_new_in),  # after the old one was moved aside
     }[where]
@@ -179,6 +179,16 @@ def test_bad_extra_state_or_target_is_refused(tmp_path):
     (tmp_path / "run" / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="is not a posttrain checkpoint; saving would replace it"):
         policy.save_checkpoint(tmp_path / "run")
+
+
+def test_a_torch_without_the_safetensors_dcp_storage_gets_a_clear_error(tmp_path, monkeypatch):
+    """posttrain imports on torch >= 2.6; checkpoints need DCP's safetensors storage (torch >= 2.8).
+    An older torch is told so at save time, and nothing is left behind."""
+    policy = Policy(cfg())
+    monkeypatch.delattr(checkpoint.dcp, "HuggingFaceStorageWriter")
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints need torch >= 2.8"):
+        policy.save_checkpoint(tmp_path / "ckpt")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -43,7 +43,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -57,6 +56,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from posttrain.logging import get_logger
 
 log = get_logger(__name__)
+
+
+def _hf_storage(kind: str):
+    """DCP's safetensors storage reader or writer (public since torch 2.8; the package itself imports
+    on torch >= 2.6, so an older torch learns here what checkpointing needs)."""
+    name = f"HuggingFaceStorage{kind}"
+    cls = getattr(dcp, name, None)
+    if cls is None:
+        raise RuntimeError(
+            f"checkpoints need torch >= 2.8 (torch.distributed.checkpoint.{name}); this is torch "
+            f"{torch.__version__}. Upgrade torch, or run without checkpoints (checkpointing.enabled=false)"
+        )
+    return cls
+
 
 FORMAT = "posttrain-checkpoint"
 FORMAT_VERSION = 1
@@ -456,7 +469,7 @@ def _write_checkpoint(
 ) -> None:
     """Every rank writes its shards and RNG into `tmp`; rank 0 adds the JSON files and commits."""
     rank = _rank()
-    writer = HuggingFaceStorageWriter(str(tmp / "state"), save_distributed=True)
+    writer = _hf_storage("Writer")(str(tmp / "state"), save_distributed=True)
     with _single_process_ok():
         dcp.save(_sharded_state(state), storage_writer=writer, no_dist=not _distributed())
     _on_all_ranks(lambda: _save_rng(tmp / "rng", rank))
@@ -478,7 +491,7 @@ def _finish(tmp: Path, final: Path, meta_json: str) -> None:
 def _dcp_load(targets: dict[str, torch.Tensor], root: Path, no_dist: bool) -> None:
     try:
         with _single_process_ok():
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(root / "state")), no_dist=no_dist)
+            dcp.load(targets, storage_reader=_hf_storage("Reader")(str(root / "state")), no_dist=no_dist)
     except CheckpointException as e:
         raise CheckpointError(f"reading the tensors of checkpoint '{root}' failed: {_describe(e)}") from e
 
@@ -546,7 +559,7 @@ def load_checkpoint(
 
 def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a checkpoint, read on this process alone."""
-    reader = HuggingFaceStorageReader(str(root / "state"))
+    reader = _hf_storage("Reader")(str(root / "state"))
     shapes = reader.read_metadata().state_dict_metadata
     full = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
