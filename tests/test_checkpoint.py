@@ -189,6 +189,14 @@ def test_a_torch_without_the_safetensors_dcp_storage_gets_a_clear_error(tmp_path
     with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints need torch >= 2.8"):
         policy.save_checkpoint(tmp_path / "ckpt")
     assert not any(tmp_path.iterdir())
+    monkeypatch.undo()
+    train(policy, range(1))
+    policy.save_checkpoint(tmp_path / "ckpt")
+    fresh = Policy(cfg())
+    monkeypatch.delattr(checkpoint.dcp, "HuggingFaceStorageReader")
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints need torch >= 2.8"):
+        fresh.load_checkpoint(tmp_path / "ckpt")
+    assert not fresh.group.workers[0].optimizer.state  # refused before anything was read or set up
 
 
 @pytest.mark.parametrize("tied", [False, True])

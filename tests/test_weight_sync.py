@@ -120,6 +120,16 @@ def test_share_sync_probes_again_when_a_tensor_is_re_pointed():
     # another engine is not verified by this one's probe
     other = GenerationEngine(*build_engine_parts())
     assert "probe_skipped" not in sync.sync_local(policy, other, 0, share=True)
+    # a bf16-autocast trainer sharing its fp32 weights with an fp32 engine computes differently: the
+    # probe keeps measuring that gap on every sync
+    mixed = Policy(policy_cfg(precision="bfloat16"))
+    loose = WeightSync(WeightSyncConfig(probe={"max_abs_diff": 0.5}), VOCAB)
+    for _ in range(2):
+        metrics = loose.sync_local(mixed, engine, 0, share=True)
+        assert "probe_skipped" not in metrics and 0 < metrics["probe_max_abs_diff"] < 0.5
+    # no probe at all: nothing reported as skipped
+    off = WeightSync(WeightSyncConfig(probe={"enabled": False}), VOCAB)
+    assert "probe_skipped" not in off.sync_local(policy, engine, 0, share=True)
     # recheck_shared probes every shared sync
     always = WeightSync(WeightSyncConfig(probe={"recheck_shared": True}), VOCAB)
     for _ in range(2):

@@ -520,6 +520,10 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Restore `state` in place from `path` (collective), after checking the checkpoint matches it."""
     root = Path(path).absolute()
+    try:
+        _hf_storage("Reader")  # before anything touches the optimizer (reading its state initializes it)
+    except RuntimeError as e:
+        raise CheckpointError(f"loading checkpoint '{root}' failed: {e}") from None
     meta = read_metadata(root)
     check_compatible(meta, {"model": model_fingerprint(state.model), "config": identity or {}}, root)
     if state.reference is not None and not meta["has_reference"]:

@@ -51,7 +51,8 @@ def group_advantages(
 
 def _group_sum(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """Per-sample sum of `values` over the sample's group (`inv`: group index of each sample)."""
-    sums = torch.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=values.dtype).index_add_(0, inv, values)
+    size = int(inv.max()) + 1 if len(inv) else 0
+    sums = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, inv, values)
     return sums[inv]
 
 
@@ -60,8 +61,8 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, valid: 
     ids, inv = torch.unique(group_ids, return_inverse=True)
     valid = valid.bool()
     vals = rewards.double()
-    lo = torch.full((len(ids),), math.inf, dtype=torch.float64)
-    hi = torch.full((len(ids),), -math.inf, dtype=torch.float64)
+    lo = torch.full((len(ids),), math.inf, dtype=torch.float64, device=vals.device)
+    hi = torch.full((len(ids),), -math.inf, dtype=torch.float64, device=vals.device)
     lo.scatter_reduce_(0, inv[valid], vals[valid], "amin")
     hi.scatter_reduce_(0, inv[valid], vals[valid], "amax")
     flat = (lo == hi) | (lo > hi)  # all equal, or no valid member (lo stays +inf, hi -inf)

@@ -395,16 +395,20 @@ class WeightSync:
 
         A shared sync that finds the engine already aliasing every trainer tensor, after a probe passed
         on that aliasing, transfers nothing that could go wrong: the engine computes with the very
-        memory the optimizer just updated. It is not probed again (`probe.recheck_shared` to force);
-        any re-pointed tensor (a trainer that replaced a parameter, an engine loaded by copy in
-        between) brings the probe back."""
+        memory the optimizer just updated. When the trainer also computes as the engine does (fp32,
+        no autocast; see `same_arithmetic`) it is not probed again (`probe.recheck_shared` to force);
+        otherwise the probe keeps measuring the precision gap, which grows as the weights move. Any
+        re-pointed tensor (a trainer that replaced a parameter, an engine loaded by copy in between)
+        brings the probe back."""
         if share:
             start = time.perf_counter()
             stats = sync_model(_local_model(policy), engine, version, share=True)
             metrics = self._metrics(stats, start, version)
+            if not self.cfg.probe.enabled:
+                return metrics
             verified = stats["tensors_repointed"] == 0 and engine in self._verified_shares
-            if not self.cfg.probe.enabled or (verified and not self.cfg.probe.recheck_shared):
-                return metrics | {"probe_skipped": float(self.cfg.probe.enabled)}
+            if verified and same_arithmetic(policy, engine) and not self.cfg.probe.recheck_shared:
+                return metrics | {"probe_skipped": 1.0}
             metrics |= self._check_local(policy, engine, self.trainer_probe(policy), version)
             self._verified_shares.add(engine)
             return metrics
@@ -444,6 +448,13 @@ class WeightSync:
                 worst = {k: max(v, worst.get(k, v)) for k, v in m.items()}
             metrics |= worst
         return metrics
+
+
+def same_arithmetic(policy, engine: GenerationEngine) -> bool:
+    """Whether the trainer computes logprobs as the engine does: an fp32 trainer (no autocast) and an
+    fp32 engine. A bf16-autocast trainer sharing its fp32 master weights with an fp32 engine does not:
+    their logprob gap grows with training, and only a probe measures it."""
+    return policy.cfg.precision == "float32" and engine.dtype == torch.float32
 
 
 def can_share(policy, engine: GenerationEngine) -> bool:

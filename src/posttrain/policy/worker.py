@@ -117,9 +117,10 @@ class PolicyWorker:
         )
 
     def _model_to_device(self) -> None:
-        """Parameters and buffers to the device, unless the phase already keeps them there (TRAINING and
-        INFERENCE do; the walk over every module costs more than the rest of a transition on CPU)."""
-        if self.lifecycle.phase is Phase.OFFLOADED:
+        """Parameters and buffers to the device. Every transition checks them all (so a transition that
+        failed half-way is repaired by the next), except on a CPU device, where host and device are
+        one and nothing can be elsewhere: there the walk over every module would be all the work."""
+        if self.device.type != "cpu":
             offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
 
     def _set_training(self, mode: bool) -> None:
@@ -171,18 +172,16 @@ class PolicyWorker:
     @verb(*ANY_PHASE, transition=True)
     def prepare_for_training(self) -> None:
         """Model and optimizer state on the device; training mode."""
-        if self.lifecycle.phase is not Phase.TRAINING:  # TRAINING holds both on the device already
-            self._model_to_device()
-            offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        self._model_to_device()
+        offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
         self._set_training(True)
         self.lifecycle.phase = Phase.TRAINING
 
     @verb(*ANY_PHASE, transition=True)
     def prepare_for_lp_inference(self) -> None:
         """Model on the device, optimizer state on the host; eval mode."""
-        if self.lifecycle.phase is not Phase.INFERENCE:
-            self._model_to_device()
-            offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        self._model_to_device()
+        offload.move_optimizer_state(self.optimizer, torch.device("cpu"))
         self._set_training(False)
         self.lifecycle.phase = Phase.INFERENCE
 
