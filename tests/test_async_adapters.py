@@ -7,12 +7,15 @@ rollout actors, kills one mid-run and checks its groups are retried on the other
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
+from posttrain.algorithms import async_workers
 from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
 from posttrain.algorithms.async_types import TrainerError
 from posttrain.algorithms.async_workers import (
@@ -66,6 +69,45 @@ def test_serial_thread_runs_calls_in_order_and_survives_a_hung_call():
 
     bounded_run(body(), 5.0)
     thread.close()
+
+
+def test_a_closed_serial_thread_hands_its_thread_to_the_next_one(monkeypatch):
+    """The OS thread outlives its SerialThread (a fresh thread starts cold) but never serves two at
+    once: a closed one refuses calls, and one still stuck in a call keeps its thread."""
+    monkeypatch.setattr(async_workers, "_MAX_PARKED", 100)  # threads parked by earlier tests stay
+
+    async def ident(thread: SerialThread) -> tuple[int, str]:
+        return await thread.call(lambda: (threading.get_ident(), threading.current_thread().name))
+
+    first = SerialThread("first")
+    tid, _ = bounded_run(ident(first), 5.0)
+    arg = threading.Event()  # the last call's argument: a parked thread must not keep it alive
+    alive = weakref.ref(arg)
+    bounded_run(first.call(arg.set), 5.0)
+    del arg
+    first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        bounded_run(ident(first), 5.0)
+    deadline = time.monotonic() + 5.0
+    while first._server not in async_workers._PARKED and time.monotonic() < deadline:
+        time.sleep(0.005)  # the thread parks once it has taken the close
+    gc.collect()
+    assert alive() is None
+    second = SerialThread("second")
+    got = bounded_run(ident(second), 5.0)
+    assert got == (tid, "second")  # the same thread, under its new owner's name
+    release = threading.Event()
+
+    async def hang() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(second.call(release.wait), 0.05)
+
+    bounded_run(hang(), 5.0)
+    second.close()  # stuck in release.wait: not parked
+    third = SerialThread("third")
+    assert bounded_run(ident(third), 5.0)[0] != tid
+    release.set()
+    third.close()
 
 
 # --------------------------------------------------------------------------- the real Policy

@@ -8,18 +8,24 @@ import asyncio
 import json
 import math
 import pickle
+import random
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from helpers import small_run_policy
 from posttrain.algorithms.async_engine_worker import (
+    SAMPLES_CODEC,
     EngineRolloutWorker,
     GroupSamples,
     WeightsPayload,
+    attach_rows,
+    packed_nbytes,
     probe_sync,
+    stack_rows,
 )
 from posttrain.algorithms.async_grpo_run import (
     AsyncGRPORunConfig,
@@ -34,7 +40,7 @@ from posttrain.algorithms.async_grpo_run import (
     trained_prompt_ids,
 )
 from posttrain.algorithms.async_types import RolloutFailure
-from posttrain.algorithms.grpo import run_grpo
+from posttrain.algorithms.grpo import GRPOLoopConfig, run_grpo, samples_to_batch
 from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.algorithms.staleness import BufferedGroup, GroupState
 from posttrain.config import ConfigError, apply_overrides, build_config
@@ -106,7 +112,17 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         assert [g.samples.prompt_id for g in both] == [other.prompt_id, prompt.prompt_id]
         assert all(r.weight_version == 3 for r in a.samples.results)
         assert len(a.samples.rewards) == len(a.samples.failed) == 4
+        assert len({tuple(r.token_ids) for r in a.samples.results}) > 1  # a stream of its own per sample
         assert a.samples.metrics["weight_sync/probe_max_abs_diff"] < 1e-4
+        # the worker lays out the training rows; they equal the trainer's own layout of the samples
+        for group in (a, *both):
+            assert group.samples.rows is not None
+            redone = GroupSamples(
+                *(getattr(group.samples, k) for k in ("prompt_id", "results", "rewards", "failed"))
+            )
+            attach_rows([redone], cfg.grpo, pad_id=worker.engine.tokenizer.pad_token_id or 0)
+            for k, v in redone.rows.items():
+                assert v.dtype == group.samples.rows[k].dtype and (v == group.samples.rows[k]).all(), k
         with pytest.raises(WeightSyncError, match="failed the probe check"):
             await worker.set_weights(4, payload(4, probe=sync.trainer_probe(policy) - 0.5))
 
@@ -131,6 +147,15 @@ def test_weights_payload_pickles_as_bytes_and_back_exactly():
             assert back.state[k].dtype == v.dtype and back.state[k].shape == v.shape, k
             assert torch.equal(back.state[k], v), k
         assert probe is None and back.probe_logprobs is None or torch.equal(back.probe_logprobs, probe)
+    # one buffer, reused across versions: each pickle holds the tensors of its own payload
+    size = packed_nbytes(state)
+    for buffer in (np.empty(size, np.uint8), np.empty(size + 100, np.uint8), np.empty(size // 2, np.uint8)):
+        first = pickle.dumps(WeightsPayload(1, state, None, 1.0, buffer))
+        doubled = {k: v * 2 for k, v in state.items()}
+        second = pickle.dumps(WeightsPayload(2, doubled, None, 1.0, buffer))
+        for blob, want in ((first, state), (second, doubled)):
+            back = pickle.loads(blob).state
+            assert all(torch.equal(back[k], v) for k, v in want.items())
 
 
 @pytest.fixture
@@ -185,6 +210,57 @@ def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, fl
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["reward_failed_fraction"] == 1.0
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        GRPOLoopConfig(),
+        GRPOLoopConfig(use_leave_one_out_baseline=True, normalize_rewards=False, overlong_filtering=True),
+    ],
+    ids=["default", "loo_overlong"],
+)
+def test_rows_laid_out_per_group_stack_to_the_sync_loops_batch(loop):
+    """attach_rows (in the rollout worker, or on the trainer for groups restored from a checkpoint) and
+    stack_rows give exactly grpo.samples_to_batch's batch: rows of any lengths, empty completions,
+    failed rewards, groups laid out in separate calls and sent through pickle (as Ray sends them)."""
+    rng = random.Random(0)
+
+    def group(gid: int) -> GroupSamples:
+        results = []
+        for i in range(rng.choice([1, 3, 4])):
+            prompt = [rng.randrange(1, 50) for _ in range(rng.randint(1, 7))]
+            completion = [rng.randrange(1, 50) for _ in range(rng.randint(0, 9))]
+            logprobs = [rng.uniform(-5.0, 0.0) for _ in completion]
+            results.append(
+                GenerationResult(i, 0, prompt, completion, logprobs, rng.choice(["stop", "length"]))
+            )
+        rewards = [rng.choice([0.0, 1.0, rng.random(), math.nan]) for _ in results]
+        return GroupSamples(gid, results, rewards, [math.isnan(r) for r in rewards])
+
+    for _ in range(5):
+        groups = [group(g) for g in range(6)]
+        expect = samples_to_batch(
+            [r for g in groups for r in g.results],
+            torch.tensor([r for g in groups for r in g.rewards]),
+            torch.tensor([f for g in groups for f in g.failed]),
+            torch.cat([torch.full((len(g.results),), i) for i, g in enumerate(groups)]),
+            loop,
+            pad_id=3,
+        )[0]
+        attach_rows(groups[:2], loop, pad_id=3)  # as two rollout calls would
+        sent = [pickle.loads(pickle.dumps(g)) for g in groups]
+        restored = SAMPLES_CODEC.decode(json.loads(json.dumps(SAMPLES_CODEC.encode(sent[0]))))
+        assert restored.rows is None  # the rows are not checkpointed...
+        for batch in (
+            stack_rows(
+                [g.rows for g in sent[:2]] + [attach_rows([g], loop, 3) or g.rows for g in sent[2:]], 3
+            ),
+            groups_to_batch([restored, *sent[1:]], loop, pad_id=3),  # ...but laid out again on the trainer
+        ):
+            assert list(batch.keys()) == list(expect.keys())
+            for k, v in expect.items():
+                assert batch[k].dtype == v.dtype and torch.equal(batch[k], v), k
 
 
 def test_dynamic_sampling_filters_zero_variance_groups_as_they_arrive(tmp_path):
@@ -332,6 +408,21 @@ def test_async_reaches_the_sync_accuracy_at_equal_samples(tmp_path):
 
 
 # --------------------------------------------------------------------------- a rollout actor dies
+
+
+@pytest.mark.distributed
+def test_a_reused_export_buffer_leaves_earlier_versions_intact(ray_session):
+    """export_fn packs every version into one buffer: ray.put has copied it (into the object store,
+    or inline for a small one) by the time it returns, so the next version may refill it."""
+    ray = ray_session
+    for shape in ((300, 300), (20, 20)):  # 360 KB (object store) and 1.6 KB (inline)
+        state = {"w": torch.randn(shape), "b": torch.randn(7).to(torch.bfloat16)}
+        buffer = np.empty(packed_nbytes(state), np.uint8)
+        versions = [{k: t + v for k, t in state.items()} for v in range(3)]
+        refs = [ray.put(WeightsPayload(v, w, None, 1.0, buffer)) for v, w in enumerate(versions)]
+        for v, ref in enumerate(refs):
+            got = ray.get(ref, timeout=60)
+            assert got.version == v and all(torch.equal(got.state[k], t) for k, t in versions[v].items())
 
 
 @pytest.mark.distributed

@@ -550,6 +550,56 @@ def test_prefill_budget_counts_a_repeated_prompt_once():
     assert [r.prompt_token_ids for r in results] == [a] * 8 + [b] * 8
 
 
+def test_finished_slots_are_refilled_in_batches_with_the_same_results():
+    """While sequences decode, waiting prompts enter once a quarter of the slots is free (or every
+    waiting prompt fits, or after admit_max_delay_steps steps): a trickle of finished sequences does not
+    cost a prefill forward each. Each request still draws exactly what it draws admitted at once."""
+    prompts = prompts_of([3 + i % 5 for i in range(24)], seed=4)
+    # staggered lengths: request i stops after 2 + i % 7 tokens
+    params = [SamplingParams(max_new_tokens=2 + i % 7, seed=i, stop_at_eos=False) for i in range(24)]
+
+    def run(**cfg) -> tuple[list, list[int]]:
+        engine = make_engine(max_num_seqs=8, **cfg)
+        prefilled: list[int] = []
+        plan = engine.cache.plan_prefill
+        engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+        return engine.generate(prompts, params), prefilled
+
+    at_once, eager = run(admit_min_free_fraction=0.0)
+    batched, lazy = run(admit_min_free_fraction=0.5)
+    late, capped = run(admit_min_free_fraction=1.0, admit_max_delay_steps=1)
+    assert sum(eager) == sum(lazy) == sum(capped) == 24
+    assert len(lazy) < len(eager)
+    assert min(lazy[1:-1]) >= 4  # refills wait for half of the 8 slots (the last takes what is left)
+    for got in (batched, late):
+        assert [r.token_ids for r in got] == [r.token_ids for r in at_once]
+        for a, b in zip(got, at_once):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert GenerationConfig().admit_min_free_fraction == 0.25
+
+
+def test_a_waiting_prompt_is_admitted_after_admit_max_delay_steps():
+    """Prompts that find fewer free slots than admit_min_free_fraction asks (and more prompts waiting
+    than slots free) wait at most admit_max_delay_steps decode steps for more slots to free up."""
+    prompts = prompts_of([4, 5, 6, 3, 4, 5], seed=5)
+    engine = make_engine(max_num_seqs=4, admit_min_free_fraction=1.0, admit_max_delay_steps=3)
+    for p in prompts[:3]:
+        engine.submit(p, SamplingParams(max_new_tokens=30, seed=0, stop_at_eos=False))
+    engine.submit(prompts[3], SamplingParams(max_new_tokens=1, seed=0, stop_at_eos=False))
+    assert len(engine.step()) == 1  # all four admitted into the idle engine; the short one is done
+    late = [
+        engine.submit(p, SamplingParams(max_new_tokens=1, seed=1, stop_at_eos=False)) for p in prompts[4:]
+    ]
+    steps, done = 0, []
+    while not any(r.request_id == late[0] for r in done):
+        done += engine.step()
+        steps += 1
+        assert steps < 10
+    assert steps == 4  # one slot free, two prompts waiting: three steps of waiting, then admitted
+    done += engine.iter_results()
+    assert len(done) == 5 and set(late) <= {r.request_id for r in done}
+
+
 def test_requests_gathered_in_one_loop_turn_are_admitted_together():
     prompt = prompts_of([6])[0]
     params = [SamplingParams(max_new_tokens=5, seed=i, stop_at_eos=False) for i in range(6)]

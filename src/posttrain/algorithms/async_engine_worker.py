@@ -4,34 +4,43 @@ in this process (`EngineRolloutWorker`) or in a Ray actor of its own (`EngineRol
 
 It is configured by the synchronous `GRPOConfig` of the run (async_grpo_run.sync_equivalent), so
 scoring is grpo.score itself: failed rewards are marked and masked, never 0. Departures:
-- sample k of a group is drawn with a seed derived from (seed, prompt id, weight version, k), so a
-  group retried after its worker died is drawn again identically, whatever worker takes it;
+- a group is drawn with a seed derived from (seed, prompt id, weight version), sample k from the
+  engine's random stream k of that seed, so a group retried after its worker died is drawn again
+  identically, whatever worker takes it; its G requests enter the engine in one `astream` call;
 - the reward runs on a thread right after the group is generated. `task.reward.max_failed_fraction`
   is checked per step by the trainer side (as grpo.py checks it per step batch), not per group; a
   `RewardError` (`on_reward_error: raise`) becomes a `RolloutFailure`: the group is retried, then
   reported (`max_retries`);
-- weights arrive as one `WeightsPayload` (state dict + the trainer's probe logprobs, one `ray.put`
-  per version under Ray); the worker loads it between requests and checks its own logprobs on the
-  probe batch (generation/probe.py); a failed check raises `WeightSyncError` and the controller
-  retires the worker.
+- with the rewards, the worker lays out the group's training rows (`attach_rows`: advantages within
+  the group, failed samples masked, exactly as grpo.samples_to_batch does) as numpy arrays, so the
+  trainer only stacks them (`stack_rows`): the work leaves the trainer, which is the busier side;
+- weights arrive as one `WeightsPayload` (state dict packed into one byte buffer + the trainer's probe
+  logprobs, one `ray.put` per version under Ray); the worker loads it between requests and checks its
+  own logprobs on the probe batch (generation/probe.py); a failed check raises `WeightSyncError` and
+  the controller retires the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field
+from tensordict import TensorDict
 
+from posttrain.algorithms.advantages import group_advantages
 from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec
 from posttrain.algorithms.async_workers import RayRolloutWorker
-from posttrain.algorithms.grpo import GRPOConfig, engine_config, score
+from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, engine_config, score
 from posttrain.config import Config
+from posttrain.data.batch import make_batch
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.weight_sync import WeightSync
@@ -67,10 +76,98 @@ class GroupSamples:
     rewards: list[float]  # NaN where the reward failed
     failed: list[bool]
     metrics: dict[str, float] = field(default_factory=dict)  # reward summary, timings, probe check
+    rows: dict[str, np.ndarray] | None = None  # training rows (attach_rows), None until laid out
+
+
+# --------------------------------------------------------------------------- training rows
+
+ROW_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages")
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that right-pads training rows (the trainer and the rollout workers must agree)."""
+    return tokenizer.pad_token_id or 0
+
+
+def attach_rows(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: int) -> None:
+    """Lay out the training rows of every group that has none yet: equal to its rows in
+    grpo.samples_to_batch over the groups (advantages within each group, failed and, with
+    overlong_filtering, truncated samples masked), as numpy arrays right-padded to the group's longest
+    row: cheap to pickle, and `stack_rows` of any groups' rows is their batch. One advantage
+    computation serves all the groups."""
+    todo = [s for s in groups if s.rows is None]
+    if not todo:
+        return
+    sizes = [len(s.results) for s in todo]
+    failed = torch.tensor([f for s in todo for f in s.failed], dtype=torch.bool)
+    adv = group_advantages(
+        torch.tensor([r for s in todo for r in s.rewards], dtype=torch.float32),
+        torch.arange(len(todo)).repeat_interleave(torch.tensor(sizes)),
+        ~failed,
+        leave_one_out=loop.use_leave_one_out_baseline,
+        std_scaling="group" if loop.normalize_rewards else "none",
+    ).numpy()
+    first = 0
+    for s, n in zip(todo, sizes):
+        s.rows = _lay_out(s.results, adv[first : first + n], failed[first : first + n].numpy(), loop, pad_id)
+        first += n
+
+
+def _lay_out(
+    results: list[GenerationResult], adv: np.ndarray, failed: np.ndarray, loop: GRPOLoopConfig, pad_id: int
+) -> dict[str, np.ndarray]:
+    n = len(results)
+    sample_mask = (~failed).astype(np.float32)
+    if loop.overlong_filtering:
+        sample_mask *= np.array([r.finish_reason != "length" for r in results], dtype=np.float32)
+    starts = np.fromiter((len(r.prompt_token_ids) for r in results), np.int64, n)
+    ends = starts + np.fromiter((len(r.token_ids) for r in results), np.int64, n)
+    positions = np.arange(int(ends.max()))
+    filled = positions < ends[:, None]
+    completion = filled & (positions >= starts[:, None])
+    ids = np.full(filled.shape, pad_id, dtype=np.int64)
+    tokens = itertools.chain.from_iterable(x for r in results for x in (r.prompt_token_ids, r.token_ids))
+    ids[filled] = np.fromiter(tokens, np.int64, int(ends.sum()))
+    token_mask = completion.astype(np.float32)
+    gen_logprobs = np.zeros(filled.shape, dtype=np.float32)
+    logprobs = itertools.chain.from_iterable(r.logprobs for r in results)
+    gen_logprobs[completion] = np.fromiter(logprobs, np.float64, int((ends - starts).sum()))
+    return {
+        "input_ids": ids,
+        "input_lengths": ends,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "generation_logprobs": gen_logprobs,
+        "advantages": adv[:, None] * token_mask,
+    }
+
+
+def stack_rows(groups: list[dict[str, np.ndarray]], pad_id: int) -> TensorDict:
+    """The batch of several groups' rows (`attach_rows`), right-padded to the longest row of them all."""
+    width = max(g["input_ids"].shape[1] for g in groups)
+    n = sum(len(g["input_lengths"]) for g in groups)
+    out = {}
+    for key in ROW_KEYS:
+        first = groups[0][key]
+        if first.ndim == 1:
+            out[key] = torch.from_numpy(np.concatenate([g[key] for g in groups]))
+            continue
+        full = np.full((n, width), pad_id if key == "input_ids" else 0, dtype=first.dtype)
+        row = 0
+        for g in groups:
+            rows, cols = g[key].shape
+            full[row : row + rows, :cols] = g[key]
+            row += rows
+        out[key] = torch.from_numpy(full)
+    return make_batch(**out)
+
+
+# --------------------------------------------------------------------------- codec and weights
 
 
 def _encode(s: GroupSamples) -> dict[str, Any]:
-    out = asdict(s)
+    out = asdict(replace(s, rows=None))  # the rows are rebuilt from the results after a resume
+    del out["rows"]
     out["rewards"] = [None if f else r for r, f in zip(s.rewards, s.failed)]
     out["metrics"] = {k: v for k, v in s.metrics.items() if math.isfinite(v)}
     return out
@@ -97,9 +194,54 @@ def _from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.
         return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def _rebuild_payload(version: int, state: dict, probe: Any, temperature: float) -> WeightsPayload:
-    tensors = {k: _from_bytes(*v) for k, v in state.items()}
-    return WeightsPayload(version, tensors, None if probe is None else _from_bytes(*probe), temperature)
+_ALIGN = 64  # byte alignment of each tensor inside a packed buffer
+
+# (name, dtype, shape, byte offset, byte size) of each tensor in a packed buffer
+PackIndex = list[tuple[str, torch.dtype, tuple[int, ...], int, int]]
+
+
+def _pack_index(tensors: dict[str, torch.Tensor]) -> tuple[PackIndex, int]:
+    index, size = [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        index.append((name, t.dtype, tuple(t.shape), size, n))
+        size += -(-n // _ALIGN) * _ALIGN
+    return index, size
+
+
+def packed_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes `pack_tensors` needs for `tensors`."""
+    return _pack_index(tensors)[1]
+
+
+def pack_tensors(
+    tensors: dict[str, torch.Tensor], out: np.ndarray | None = None
+) -> tuple[np.ndarray, PackIndex]:
+    """Copy `tensors` (any dtype, device, layout) into one flat uint8 buffer, `out` when it is large
+    enough (reused across weight versions), else a new one. One buffer pickles, and crosses to a Ray
+    actor, with much less per-tensor overhead than one array per tensor."""
+    index, size = _pack_index(tensors)
+    buf = out if out is not None and out.nbytes >= size else np.empty(size, dtype=np.uint8)
+    buf = buf[:size]
+    base = torch.from_numpy(buf)
+    for (_, dtype, shape, offset, n), t in zip(index, tensors.values()):
+        base[offset : offset + n].view(dtype).view(shape).copy_(t.detach())
+    return buf, index
+
+
+def unpack_tensors(buf: np.ndarray, index: PackIndex) -> dict[str, torch.Tensor]:
+    """Views of the tensors of a `pack_tensors` buffer (no copy)."""
+    with warnings.catch_warnings():  # Ray hands out read-only buffers; loading copies them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        base = torch.from_numpy(buf)
+    return {name: base[o : o + n].view(dtype).view(shape) for name, dtype, shape, o, n in index}
+
+
+def _rebuild_payload(
+    version: int, packed: tuple[np.ndarray, PackIndex], probe: Any, temperature: float
+) -> WeightsPayload:
+    probe_logprobs = None if probe is None else _from_bytes(*probe)
+    return WeightsPayload(version, unpack_tensors(*packed), probe_logprobs, temperature)
 
 
 @dataclass
@@ -107,23 +249,27 @@ class WeightsPayload:
     """One weight version for the rollout workers: the full state dict and the trainer's logprobs on
     the probe batch (None when the probe check is off), taken together.
 
-    Pickled (one `ray.put` per version) as numpy byte arrays, which Ray stores and hands to the
-    actor without copying; torch tensors would be pickled, then unpickled by every reader."""
+    Pickled (one `ray.put` per version) as one flat byte buffer (`pack_tensors`), which Ray stores
+    and hands to the actor without copying; torch tensors would be pickled, then unpickled by every
+    reader. `buffer` (e.g. the previous version's) is filled instead of a new one when large enough:
+    `ray.put` has copied it into the object store by the time it returns."""
 
     version: int
     state: dict[str, torch.Tensor]
     probe_logprobs: torch.Tensor | None
     temperature: float
+    buffer: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        state = {k: _to_bytes(v) for k, v in self.state.items()}
+        packed = pack_tensors(self.state, self.buffer)
         probe = None if self.probe_logprobs is None else _to_bytes(self.probe_logprobs)
-        return _rebuild_payload, (self.version, state, probe, self.temperature)
+        return _rebuild_payload, (self.version, packed, probe, self.temperature)
 
 
-def sample_seed(seed: int, prompt_id: int, weight_version: int, k: int) -> int:
-    """Seed of sample k of a group: the same prompt at the same weights draws the same completions."""
-    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + k * 101 + 17) % (2**31)
+def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
+    """Seed of a group (sample k draws from the engine's stream k of it): the same prompt at the same
+    weights draws the same completions."""
+    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + 17) % (2**31)
 
 
 def probe_sync(cfg: GRPOConfig, vocab_size: int) -> WeightSync:
@@ -151,6 +297,7 @@ class EngineRolloutWorker:
         self.task = task
         self.name = name or "engine-worker"
         self._score_view = _ScoreView(cfg, engine.tokenizer, task)
+        self._pad_id = pad_token_id(engine.tokenizer)
         self._sync = probe_sync(cfg, engine.vocab_size) if cfg.weight_sync.probe.enabled else None
         self._sync_metrics: dict[str, float] = {}
 
@@ -167,13 +314,20 @@ class EngineRolloutWorker:
         return cls(cfg, GenerationEngine(model, tokenizer, engine_config(cfg, task)), task, name)
 
     async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        """Generate and score the `num_generations_per_prompt` completions of `prompt`."""
+        """Generate and score the `num_generations_per_prompt` completions of `prompt`, and lay out
+        their training rows."""
+        result = await self._generate_scored(prompt, weight_version)
+        attach_rows([result.samples], self.cfg.grpo, self._pad_id)
+        return result
+
+    async def _generate_scored(self, prompt: PromptItem, weight_version: int) -> GroupResult:
         g = self.cfg.grpo.num_generations_per_prompt
-        seeds = [sample_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version, k) for k in range(g)]
-        params = [self.cfg.sampling.model_copy(update={"seed": s}) for s in seeds]
+        seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
+        params = self.cfg.sampling.model_copy(update={"seed": seed})
         ids = list(prompt.prompt_token_ids)
         t0 = time.perf_counter()
-        results = list(await asyncio.gather(*(self.engine.agenerate(ids, p) for p in params)))
+        results = [r async for r in self.engine.astream([ids] * g, params)]  # request k: stream k
+        results.sort(key=lambda r: r.prompt_index)  # they come in completion order
         t1 = time.perf_counter()
         try:
             rewards, failed, summary = await asyncio.to_thread(score, self._score_view, [prompt], results)
@@ -190,16 +344,18 @@ class EngineRolloutWorker:
     async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         """`generate_group` for several prompts at once: all their completions enter the engine's
         batch together. A group whose reward fails comes back with `error` set (it alone is retried)."""
-        calls = [self.generate_group(p, weight_version) for p in prompts]
+        calls = [self._generate_scored(p, weight_version) for p in prompts]
         out = await asyncio.gather(*calls, return_exceptions=True)
         for r in out:
             if isinstance(r, BaseException) and not isinstance(r, RolloutFailure):
                 raise r
         g = self.cfg.grpo.num_generations_per_prompt
-        return [
+        results = [
             GroupResult(None, weight_version, g, error=str(r)) if isinstance(r, RolloutFailure) else r
             for r in out
         ]
+        attach_rows([r.samples for r in results if r.error is None], self.cfg.grpo, self._pad_id)
+        return results
 
     async def set_weights(self, version: int, weights: WeightsPayload) -> None:
         """Load `weights` between requests, then check the engine's logprobs on the probe batch."""

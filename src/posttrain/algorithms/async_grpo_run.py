@@ -15,9 +15,10 @@ Departures from the synchronous loop (besides streaming, see async_grpo.py):
 - the loss is `async_grpo.loss`: truncated importance sampling against the generation logprobs is on
   by default, since samples may come from weights up to `max_staleness` versions old;
 - groups of a step are trained in chunks of at least `train_chunk_rows` rows: a chunk's groups become
-  one batch (grpo.samples_to_batch: advantages per group), get their reference logprobs, and go
-  to the Policy in one `train_microbatch` call. The step's gradient is the same as with one call per
-  group (exact global normalization); the calls are fewer and larger;
+  one batch (the rows each rollout worker laid out, stacked: equal to grpo.samples_to_batch over the
+  chunk, advantages per group), get their reference logprobs, and go to the Policy in one
+  `train_microbatch` call. The step's gradient is the same as with one call per group (exact global
+  normalization); the calls are fewer and larger;
 - a step is one optimizer step (begin_train_step ... finish_train_step), so every chunk is trained at
   the weights the step opened with: the trainer's prev logprobs are the training forward's own, and
   with `grpo.recompute_prev_logprobs: auto` the loss takes them from there (force_on_policy_ratio, IS
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 
@@ -43,8 +45,12 @@ from posttrain.algorithms.async_engine_worker import (
     GroupSamples,
     RolloutConfig,
     WeightsPayload,
+    attach_rows,
     engine_config,
+    packed_nbytes,
+    pad_token_id,
     probe_sync,
+    stack_rows,
     start_local_workers,
     start_ray_workers,
 )
@@ -57,7 +63,6 @@ from posttrain.algorithms.grpo import (
     GRPOLoopConfig,
     GRPORunSections,
     Run,
-    samples_to_batch,
     validate,
 )
 from posttrain.algorithms.losses import ClippedPGLoss
@@ -152,13 +157,11 @@ def sync_equivalent(cfg: AsyncGRPORunConfig) -> GRPOConfig:
 
 
 def groups_to_batch(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: int) -> Any:
-    """One training batch of several groups (grpo.samples_to_batch: advantages within each group,
-    failed samples masked)."""
-    results = [r for s in groups for r in s.results]
-    rewards = torch.tensor([x for s in groups for x in s.rewards], dtype=torch.float32)
-    failed = torch.tensor([x for s in groups for x in s.failed], dtype=torch.bool)
-    group_ids = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(s.results) for s in groups]))
-    return samples_to_batch(results, rewards, failed, group_ids, loop, pad_id)[0]
+    """One training batch of several groups, equal to grpo.samples_to_batch over them (advantages
+    within each group, failed samples masked): the rows the rollout worker laid out, stacked; a group
+    without them (restored from a checkpoint) gets them laid out here."""
+    attach_rows(groups, loop, pad_id)
+    return stack_rows([s.rows for s in groups], pad_id)
 
 
 class ChunkedTrainer(PolicyTrainer):
@@ -214,32 +217,39 @@ def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: Step
                 f"group {group.group_id} prepared for {trainer_version}, policy at {trainer.version}"
             )
         s: GroupSamples = group.samples
-        rewards = torch.tensor(s.rewards)
-        group_ids = torch.zeros(len(s.rewards), dtype=torch.long)
-        valid = ~torch.tensor(s.failed, dtype=torch.bool)
-        flat = cfg.grpo.dynamic_sampling and bool(zero_variance_groups(rewards, group_ids, valid))
+        flat = cfg.grpo.dynamic_sampling and _zero_variance(s)
         stats.add(group, s, flat)
         return None if flat else s
 
     return prepare
 
 
+def _zero_variance(s: GroupSamples) -> bool:
+    rewards = torch.tensor(s.rewards)
+    valid = ~torch.tensor(s.failed, dtype=torch.bool)
+    return bool(zero_variance_groups(rewards, torch.zeros(len(s.rewards), dtype=torch.long), valid))
+
+
 def export_fn(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, tokenizer: Any) -> Callable[[], Any]:
-    """Runs on the policy thread after every step: the weights payload (a Ray ObjectRef under Ray)."""
+    """Runs on the policy thread after every step: the weights payload (a Ray ObjectRef under Ray,
+    packed into one byte buffer that every version reuses)."""
     sync_cfg = sync_equivalent(cfg)
     sync = probe_sync(sync_cfg, model_config(cfg.policy.model, tokenizer).vocab_size)
     policy = trainer.policy
+    buffer: list[np.ndarray] = []
 
     def export() -> Any:
         probe = sync.trainer_probe(policy) if cfg.weight_sync.probe.enabled else None
-        payload = WeightsPayload(
-            trainer.version, policy.full_state_dict(), probe, cfg.policy.logprob_temperature
-        )
-        if cfg.rollout.backend == "ray":
-            import ray
+        state = policy.full_state_dict()
+        temperature = cfg.policy.logprob_temperature
+        if cfg.rollout.backend != "ray":
+            return WeightsPayload(trainer.version, state, probe, temperature)
+        import ray
 
-            return ray.put(payload)
-        return payload
+        size = packed_nbytes(state)
+        if not buffer or buffer[0].nbytes < size:
+            buffer[:] = [np.empty(size, dtype=np.uint8)]
+        return ray.put(WeightsPayload(trainer.version, state, probe, temperature, buffer[0]))
 
     return export
 
@@ -331,7 +341,7 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
     skip_prev = cfg.grpo.recompute_prev_logprobs == "auto"
-    pad_id = tokenizer.pad_token_id or 0
+    pad_id = pad_token_id(tokenizer)
     trainer = ChunkedTrainer(policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev)
     trainer.export_fn = export_fn(cfg, trainer, tokenizer)
     actors: list[Any] = []

@@ -39,41 +39,76 @@ def _deliver(fut: asyncio.Future, ok: bool, value: Any) -> None:
         fut.set_exception(value)
 
 
-class SerialThread:
-    """Runs blocking calls one at a time on one daemon thread and awaits them from asyncio."""
+class _Server:
+    """A daemon thread that runs the calls of one `SerialThread` at a time. When that closes, the
+    thread parks (`_PARKED`) and the next `SerialThread` reuses it: a fresh thread starts cold (on the
+    2-core benchmark machine its first training step took 50-100 ms more CPU, mostly page faults while
+    its malloc arena grew), which a process that trains more than once (tests, sweeps, benchmarks)
+    then pays once."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, args, fut, loop = item
-            try:
-                ok, value = True, fn(*args)
-            except BaseException as e:  # handed to the awaiting coroutine
-                ok, value = False, e
-            try:
-                loop.call_soon_threadsafe(_deliver, fut, ok, value)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                pass
+            item = self.queue.get()
+            if item is not None:
+                self._run(*item)
+                item = None  # a parked thread must not keep the last call's arguments alive
+                continue
+            with _PARKED_LOCK:  # its SerialThread closed; every call before that has run
+                if len(_PARKED) >= _MAX_PARKED:
+                    return
+                _PARKED.append(self)
+
+    @staticmethod
+    def _run(
+        fn: Callable[..., Any], args: tuple, fut: asyncio.Future, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(_deliver, fut, ok, value)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+_PARKED: list[_Server] = []  # idle server threads, most recently parked last
+_PARKED_LOCK = threading.Lock()
+_MAX_PARKED = 2
+
+
+class SerialThread:
+    """Runs blocking calls one at a time on one daemon thread and awaits them from asyncio (the thread
+    is reused after `close`, see `_Server`)."""
+
+    def __init__(self, name: str) -> None:
+        with _PARKED_LOCK:
+            server = _PARKED.pop() if _PARKED else None
+        if server is None:
+            server = _Server(name)
+        server.thread.name = name
+        self._server = server
+        self._closed = False
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the thread, after every call submitted before it."""
-        if not self._thread.is_alive():
+        if self._closed or not self._server.thread.is_alive():
             raise RuntimeError("SerialThread is closed")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put((fn, args, fut, loop))
+        self._server.queue.put((fn, args, fut, loop))
         return await fut
 
     def close(self) -> None:
-        """Stop the thread after the calls already queued (does not wait for them)."""
-        self._queue.put(None)
+        """Stop taking calls; the thread parks after the calls already queued (not waited for)."""
+        if not self._closed:
+            self._closed = True
+            self._server.queue.put(None)
 
 
 class RayRolloutWorker:

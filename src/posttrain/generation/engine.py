@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import math
 import threading
 import weakref
 from collections import deque
@@ -170,6 +171,7 @@ class GenerationEngine:
         self._async_ids: set[int] = set()  # requests made by agenerate()/astream()
         self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
         self._admit_paused = False
+        self._admit_delay = 0  # decode steps that left free slots unfilled (see _admit_due)
         self.num_generated_tokens = 0
 
     # ------------------------------------------------------------------ requests
@@ -320,9 +322,28 @@ class GenerationEngine:
 
     def _admit(self) -> list[Request]:
         finished: list[Request] = []
+        if not self._admit_due():
+            return finished
+        self._admit_delay = 0
         while self._waiting and not self._admit_paused and len(self._active) < self.cfg.max_num_seqs:
             finished += self._prefill(self._take_chunk())
         return finished
+
+    def _admit_due(self) -> bool:
+        """Whether to admit waiting prompts this step: always into an idle engine; while sequences
+        decode, once `admit_min_free_fraction` of the slots is free (or every waiting prompt fits) or
+        after `admit_max_delay_steps` steps of waiting, so that a trickle of finished sequences does
+        not cost one small prefill forward each."""
+        free = self.cfg.max_num_seqs - len(self._active)
+        if not self._waiting or self._admit_paused or free <= 0:
+            return False
+        if not self._active:
+            return True
+        wanted = min(len(self._waiting), math.ceil(self.cfg.admit_min_free_fraction * self.cfg.max_num_seqs))
+        if free >= wanted or self._admit_delay >= self.cfg.admit_max_delay_steps:
+            return True
+        self._admit_delay += 1
+        return False
 
     def _prefill(self, chunk: list[Request]) -> list[Request]:
         """Prefill a chunk of prompts into the next free slots and draw each one's first token.

@@ -37,6 +37,17 @@ class GenerationConfig(Config):
         description="token budget of one prefill forward (rows x padded prompt length); "
         "a single longer prompt is prefilled alone",
     )
+    admit_min_free_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="while sequences decode, waiting prompts are admitted once this fraction of the slots "
+        "is free (or all of them fit): fewer, larger prefills (each prefill is a forward of its own); "
+        "0 = admit into any free slot at once",
+    )
+    admit_max_delay_steps: int = Field(
+        8, ge=0, description="admit anyway after this many decode steps with free slots and prompts waiting"
+    )
     device: str | None = Field(None, description="device of the engine; None = where the model already is")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and KV-cache dtype; auto = the model's dtype"
