@@ -107,9 +107,13 @@ def test_arrival_order():
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
 @pytest.mark.parametrize("batched", [False, True])
-def test_staleness_bound_never_exceeded(max_staleness, batched):
+@pytest.mark.parametrize("early", [False, True], ids=["push_when_idle", "loads_between_requests"])
+def test_staleness_bound_never_exceeded(max_staleness, batched, early):
     workers = [
-        FakeRolloutWorker(f"w{i}", latency=jittered(0.002, 0.02, seed=i), batched=batched) for i in range(3)
+        FakeRolloutWorker(
+            f"w{i}", latency=jittered(0.002, 0.02, seed=i), batched=batched, loads_between_requests=early
+        )
+        for i in range(3)
     ]
     trainer = FakeTrainer(train_latency=0.002, finish_latency=0.01)
     ctrl, trainer, _ = make(
@@ -332,6 +336,33 @@ def test_worker_timeout_is_retired_and_its_groups_retried(batched):
     match = re.search(r"\(groups? ([\d, ]+)\) did not answer within ([\d.]+)s", summary.dead_workers[0])
     assert match and float(match[2]) == pytest.approx(0.3 * len(match[1].split(",")))
     assert sorted(trained_prompts(trainer)) == list(range(12))
+    check_ledger(ctrl, trainer)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_weights_reach_a_worker_that_loads_between_requests_while_it_still_generates(batched):
+    """A worker with loads_between_requests gets each version as soon as it is published; its set_weights
+    waits for the requests in flight (which keep their version) and nothing new is sent to it meanwhile."""
+    workers = [
+        FakeRolloutWorker(
+            f"w{i}", latency=jittered(0.02, 0.5, i), loads_between_requests=True, batched=batched
+        )
+        for i in range(2)
+    ]
+    ctrl, trainer, _ = make(24, workers, max_staleness=1, max_in_flight_per_worker=3)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps >= 5 and not summary.dead_workers
+    assert sum(w.pushed_while_busy for w in workers) > 0
+    for w in workers:
+        assert w.weight_updates == sorted(w.weight_updates)
+    lags = [
+        version - weight_version
+        for kind, _, weight_version, version in (e for e in trainer.events if e[0] == "train")
+    ]
+    assert lags and 0 <= min(lags) and max(lags) <= 1
+    trained = trained_prompts(trainer)
+    assert len(set(trained)) == len(trained) == 24 - summary.totals["dropped_stale"]
+    check_workers(workers)  # no request saw two versions or came during a pending set_weights
     check_ledger(ctrl, trainer)
 
 

@@ -316,7 +316,7 @@ def test_step_returns_results_as_they_finish():
     assert engine.num_running == 0 and not engine.has_unfinished()
 
 
-def test_async_stream_and_agenerate():
+def test_async_stream_agenerate_and_agenerate_all():
     prompts = prompts_of([4, 6, 3, 5])
     params = [SamplingParams(max_new_tokens=m, seed=5, stop_at_eos=False) for m in (12, 2, 7, 4)]
     expected = make_engine().generate(prompts, params)
@@ -328,9 +328,13 @@ def test_async_stream_and_agenerate():
             engine.agenerate(prompts[0], params[0], stream_index=0),
             engine.agenerate(prompts[2], params[2], stream_index=2),
         )
-        return streamed, single
+        together = await engine.agenerate_all(prompts, params)
+        assert not engine._futures  # nothing left behind
+        return streamed, single, together
 
-    streamed, single = asyncio.run(asyncio.wait_for(main(), 60))
+    streamed, single, together = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [r.prompt_index for r in together] == [0, 1, 2, 3]  # prompt order
+    assert [r.token_ids for r in together] == [r.token_ids for r in expected]
     assert [r.prompt_index for r in streamed] == [1, 3, 2, 0]  # completion order
     by_index = {r.prompt_index: r for r in streamed}
     assert [by_index[i].token_ids for i in range(4)] == [r.token_ids for r in expected]
@@ -341,7 +345,9 @@ def test_weights_load_between_requests_while_streaming():
     """load_weights_async pauses admission, lets running sequences finish on the old weights, loads,
     and the waiting requests then run on the new ones (each result says which)."""
     new_state = build_tiny_model(VOCAB, seed=21).state_dict()
-    prompts = prompts_of([3, 5, 4, 6, 2, 7])
+    # enough work behind the first result that the stepping thread cannot finish it all before the
+    # load pauses admission, even on a loaded machine
+    prompts = prompts_of([3, 5, 4, 6, 2, 7] * 4)
     params = SamplingParams(max_new_tokens=6, seed=2, stop_at_eos=False)
     old_expected = make_engine(seed=20).generate(prompts, params)
     new_engine = make_engine(seed=20)

@@ -6,7 +6,7 @@ It is configured by the synchronous `GRPOConfig` of the run (async_grpo_run.sync
 scoring is grpo.score itself: failed rewards are marked and masked, never 0. Departures:
 - a group is drawn with a seed derived from (seed, prompt id, weight version), sample k from the
   engine's random stream k of that seed, so a group retried after its worker died is drawn again
-  identically, whatever worker takes it; its G requests enter the engine in one `astream` call;
+  identically, whatever worker takes it; its G requests enter the engine in one `agenerate_all` call;
 - the reward runs on a thread right after the group is generated. `task.reward.max_failed_fraction`
   is checked per step by the trainer side (as grpo.py checks it per step batch), not per group; a
   `RewardError` (`on_reward_error: raise`) becomes a `RolloutFailure`: the group is retried, then
@@ -289,7 +289,10 @@ class _ScoreView:
 class EngineRolloutWorker:
     """A `RolloutWorker` over an in-process `GenerationEngine` (see the module docstring).
 
-    Several groups may be in flight at once: they share the engine's continuous batch."""
+    Several groups may be in flight at once: they share the engine's continuous batch. `set_weights`
+    may come while they are: it waits for them (`loads_between_requests`)."""
+
+    loads_between_requests = True
 
     def __init__(self, cfg: GRPOConfig, engine: GenerationEngine, task: Task, name: str = "") -> None:
         self.cfg = cfg
@@ -300,6 +303,16 @@ class EngineRolloutWorker:
         self._pad_id = pad_token_id(engine.tokenizer)
         self._sync = probe_sync(cfg, engine.vocab_size) if cfg.weight_sync.probe.enabled else None
         self._sync_metrics: dict[str, float] = {}
+        self._running: set[asyncio.Task] = set()  # generate calls in flight (set_weights waits for them)
+
+    async def _tracked(self, call: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            return await call
+        finally:
+            self._running.discard(task)
 
     @classmethod
     def build(cls, cfg: GRPOConfig, name: str = "") -> EngineRolloutWorker:
@@ -316,7 +329,7 @@ class EngineRolloutWorker:
     async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
         """Generate and score the `num_generations_per_prompt` completions of `prompt`, and lay out
         their training rows."""
-        result = await self._generate_scored(prompt, weight_version)
+        result = await self._tracked(self._generate_scored(prompt, weight_version))
         attach_rows([result.samples], self.cfg.grpo, self._pad_id)
         return result
 
@@ -326,8 +339,7 @@ class EngineRolloutWorker:
         params = self.cfg.sampling.model_copy(update={"seed": seed})
         ids = list(prompt.prompt_token_ids)
         t0 = time.perf_counter()
-        results = [r async for r in self.engine.astream([ids] * g, params)]  # request k: stream k
-        results.sort(key=lambda r: r.prompt_index)  # they come in completion order
+        results = await self.engine.agenerate_all([ids] * g, params)  # request k: stream k
         t1 = time.perf_counter()
         try:
             rewards, failed, summary = await asyncio.to_thread(score, self._score_view, [prompt], results)
@@ -345,7 +357,7 @@ class EngineRolloutWorker:
         """`generate_group` for several prompts at once: all their completions enter the engine's
         batch together. A group whose reward fails comes back with `error` set (it alone is retried)."""
         calls = [self._generate_scored(p, weight_version) for p in prompts]
-        out = await asyncio.gather(*calls, return_exceptions=True)
+        out = await self._tracked(asyncio.gather(*calls, return_exceptions=True))
         for r in out:
             if isinstance(r, BaseException) and not isinstance(r, RolloutFailure):
                 raise r
@@ -358,11 +370,15 @@ class EngineRolloutWorker:
         return results
 
     async def set_weights(self, version: int, weights: WeightsPayload) -> None:
-        """Load `weights` between requests, then check the engine's logprobs on the probe batch."""
+        """Load `weights` once the generate calls in flight have finished (they keep their version;
+        the controller sends no new one meanwhile), then check the engine's logprobs on the probe
+        batch."""
         if weights.version != version:
             raise ValueError(
                 f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
             )
+        while running := [t for t in self._running if not t.done()]:
+            await asyncio.wait(running)
         t0 = time.perf_counter()
         await self.engine.load_weights_async(weights.state, version)
         metrics = {"weight_sync/seconds": time.perf_counter() - t0}
@@ -417,7 +433,8 @@ def start_ray_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> tuple[list[Ray
             f"the rollout actors did not start within rollout.start_timeout_s={rollout.start_timeout_s}s "
             "(not enough free CPUs/GPUs in the Ray cluster for rollout.num_cpus_per_worker?)"
         ) from None
-    return [RayRolloutWorker(a, name=n) for a, n in zip(actors, names)], actors
+    workers = [RayRolloutWorker(a, name=n, loads_between_requests=True) for a, n in zip(actors, names)]
+    return workers, actors
 
 
 def start_local_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> list[EngineRolloutWorker]:

@@ -120,9 +120,10 @@ class RayRolloutWorker:
     before the actor's method runs.
     """
 
-    def __init__(self, actor: Any, name: str = "") -> None:
+    def __init__(self, actor: Any, name: str = "", loads_between_requests: bool = False) -> None:
         self.actor = actor
         self.name = name or repr(actor)
+        self.loads_between_requests = loads_between_requests  # true of the actor's set_weights
         if hasattr(actor, "generate_groups"):  # the controller batches only what the actor can take
             self.generate_groups = self._generate_groups
 

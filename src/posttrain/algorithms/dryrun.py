@@ -48,7 +48,8 @@ class FakeRolloutWorker:
     - `fail_prompts`: prompt id -> how many times its group fails (a GroupResult with `error` set, or a
       RolloutFailure when `raise_failures`) before it succeeds;
     - `fail_set_weights`: set_weights raises WorkerLostError.
-    With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
+    With `loads_between_requests`, set_weights waits for the requests in flight (the controller then
+    sends weights as soon as they are published). With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
     back as its result's `error`, a lost worker fails the call); call indices count groups.
     It records every call and any contract violation (weights changed mid-request, wrong version).
     """
@@ -65,8 +66,10 @@ class FakeRolloutWorker:
         set_weights_latency: float = 0.0,
         fail_set_weights: bool = False,
         batched: bool = False,
+        loads_between_requests: bool = False,
     ) -> None:
         self.name = name
+        self.loads_between_requests = loads_between_requests
         if batched:
             self.generate_groups = self._generate_groups
         self.batch_sizes: list[int] = []  # groups per generate_groups call
@@ -86,6 +89,8 @@ class FakeRolloutWorker:
         self.violations: list[str] = []
         self.active = 0
         self.max_active = 0
+        self.updating = False  # in set_weights, waiting for the requests in flight
+        self.pushed_while_busy = 0  # set_weights calls that came while requests were in flight
 
     async def generate_group(self, prompt: dict[str, Any], weight_version: int) -> GroupResult:
         call = len(self.calls)  # taken before any await, so concurrent calls never share an index
@@ -95,6 +100,8 @@ class FakeRolloutWorker:
             raise WorkerLostError(f"{self.name} is dead")
         if weight_version != self.version:
             self.violations.append(f"call {call}: asked for version {weight_version}, holds {self.version}")
+        if self.updating:
+            self.violations.append(f"call {call}: sent while set_weights waits for the requests in flight")
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -137,6 +144,14 @@ class FakeRolloutWorker:
         return GroupResult(samples, weight_version, self.group_size)
 
     async def set_weights(self, version: int, weights: Any) -> None:
+        if self.loads_between_requests:
+            self.pushed_while_busy += bool(self.active)
+            self.updating = True
+            try:
+                while self.active:  # a dry run: polling is fine
+                    await asyncio.sleep(0.001)
+            finally:
+                self.updating = False
         if self.active:
             self.violations.append(f"set_weights({version}) while {self.active} request(s) in flight")
         if self.dead or self.fail_set_weights:

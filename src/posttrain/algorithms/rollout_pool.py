@@ -7,7 +7,8 @@ completion callback hands the finished groups to the controller and sends out mo
 only to a worker that holds the latest published weights and has room (`max_in_flight_per_worker`
 groups), and only while the groups in flight plus those held by the controller stay under the
 outstanding cap. A worker gets new weights when it has no request in flight, so a request never sees
-two versions.
+two versions; a worker with `loads_between_requests` gets them as soon as they are published and
+loads them once its requests in flight finish (it gets no new request meanwhile).
 
 Failures: a group that fails (an error result or `RolloutFailure`) is re-queued; a worker that times
 out or is lost (`WorkerLostError`), or fails `max_consecutive_worker_errors` calls in a row, is
@@ -461,18 +462,23 @@ class RolloutPool:
     # ------------------------------------------------------------------ weight pushes
 
     def _maybe_update(self, slot: _Slot) -> None:
-        """Push the published weights to an idle worker that lacks them."""
-        if self.published is None or slot.update is not None or slot.in_flight:
+        """Push the published weights to a worker that lacks them: once it is idle, or at once to one
+        that loads between requests (its wait for them counts against their own timeouts too)."""
+        if self.published is None or slot.update is not None:
+            return
+        early = bool(getattr(slot.worker, "loads_between_requests", False))
+        if slot.in_flight and not early:
             return
         version, weights = self.published
         if slot.version == version:
             return
-        slot.update = asyncio.ensure_future(self._set_weights(slot, version, weights))
+        timeout = self.cfg.weight_sync_timeout_s + self.cfg.request_timeout_s * len(slot.in_flight)
+        slot.update = asyncio.ensure_future(self._set_weights(slot, version, weights, timeout))
         slot.update.add_done_callback(functools.partial(self._on_update_done, slot, version))
 
-    async def _set_weights(self, slot: _Slot, version: int, weights: Any) -> None:
+    async def _set_weights(self, slot: _Slot, version: int, weights: Any, timeout: float) -> None:
         what = f"set_weights(version {version}) on rollout worker {slot.index}"
-        await bounded(slot.worker.set_weights(version, weights), self.cfg.weight_sync_timeout_s, what)
+        await bounded(slot.worker.set_weights(version, weights), timeout, what)
 
     def _on_update_done(self, slot: _Slot, version: int, task: asyncio.Task) -> None:
         if slot.update is not task:

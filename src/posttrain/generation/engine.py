@@ -551,6 +551,22 @@ class GenerationEngine:
         for fut in asyncio.as_completed(futs):
             yield await fut
 
+    async def agenerate_all(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Submit prompts together and wait for all their results, in prompt order (request k draws
+        from stream k, as in `generate`). One wake-up of the caller for all of them, where `astream`
+        has one per result."""
+        reqs = self._make_requests(prompts, params)
+        futs = [self._track(r) for r in reqs]
+        self._waiting.extend(reqs)
+        self._ensure_driver()
+        try:
+            return list(await asyncio.gather(*futs))
+        finally:
+            for r in reqs:
+                self._futures.pop(r.request_id, None)  # also when cancelled: nobody waits any more
+
     def _track(self, req: Request) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self._futures[req.request_id] = fut
