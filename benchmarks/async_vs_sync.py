@@ -8,17 +8,25 @@ The synchronous loop runs in this process with one torch thread too (on this tin
 thread does not help it: see RESULTS.md).
 
 Sizes are picked so that the synchronous loop spends about as long generating as training (the
-script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers), 16 prompts x 8
+script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers), 32 prompts x 8
 completions per step of 32 new tokens (a random model rarely stops early), an engine that decodes 64
-sequences at a time (two waves per step), training micro-batches of 32 rows, arithmetic prompts,
+sequences at a time (four waves per step), training micro-batches of 32 rows, arithmetic prompts,
 rewards computed but (random model) all zero, which changes no timing. Timed: the training loop only
 (model, engine and actor start-up excluded for both, and so is the first weight load: the synchronous
 set-up syncs its engine, the asynchronous one pushes the policy's weights to its rollout actor); the
 asynchronous time also includes filling the pipeline and cancelling the requests in flight at the end.
+Before the timed runs (not with --quick) one untimed step of each loop takes the process's first-call
+costs out of the timings: the synchronous loop trains on this thread, the asynchronous trainer on a
+policy thread that later runs reuse (async_workers.SerialThread); each asynchronous run's fresh rollout
+actor generates one untimed wave after its start-up for the same reason.
+A run is 30 steps of 256 samples (earlier: 12 of 128): each asynchronous step has fixed costs the
+synchronous one has not (two Ray calls per wave and one per weight version, the weight export and
+the probe check on both sides: 15-25 ms per step on each side on this machine), and filling the pipeline costs
+one wave per run; real steps are larger and runs longer. `--prompts 16 --steps 12` is the old setting.
 Both loops skip the prev-logprob forward (one optimizer step per step: the loss takes them from its
 training forward); the asynchronous one keeps its truncated importance sampling.
 
-    python benchmarks/async_vs_sync.py [--quick] [--steps N] [--repeats R]
+    python benchmarks/async_vs_sync.py [--quick] [--steps N] [--repeats R] [--prompts P]
 """
 
 from __future__ import annotations
@@ -49,10 +57,15 @@ from posttrain.config import build_config  # noqa: E402
 from posttrain.logging import MetricsLogger, read_metrics  # noqa: E402
 from posttrain.parallel.cluster import ensure_ray  # noqa: E402
 
-PROMPTS, GENERATIONS = 16, 8
-ENGINE_SEQS = 64  # sequences the engine decodes at once: a step's 128 completions take two waves
+PROMPTS, GENERATIONS = 32, 8  # PROMPTS: --prompts
+ENGINE_SEQS = 64  # sequences the engine decodes at once: a step's 256 completions take four waves
 SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
 PHASES = ("generation", "reward", "logprobs", "training", "weight_sync")
+
+
+def set_prompts(n: int) -> None:
+    global PROMPTS
+    PROMPTS = n
 
 
 def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPORunConfig:
@@ -129,6 +142,9 @@ def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
 
     run = setup(cfg)
     log = MetricsLogger(cfg.output_dir)
+    # start-up of the rollout actor: one untimed wave pays its process's first-call costs
+    wave = [run.task.train.items[i] for i in range(cfg.async_grpo.max_in_flight_per_worker)]
+    ray.get(run.actors[0].generate_groups.remote(wave, run.trainer.version), timeout=120)
 
     def actor_cpu() -> float:
         return ray.get(run.actors[0].__ray_call__.remote(lambda _: time.process_time()), timeout=60)
@@ -159,29 +175,32 @@ def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 steps, one repeat, no warm-up (< 1 minute)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; quick 4)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30; quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; quick 1)")
     ap.add_argument("--new-tokens", type=int, default=32, help="completion length (sets gen vs train)")
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompt groups per step (of 8 completions)")
     args = ap.parse_args()
-    steps = args.steps or (4 if args.quick else 12)
+    set_prompts(args.prompts)
+    steps = args.steps or (4 if args.quick else 30)
     repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)
     ensure_ray(num_cpus=4)
-    tmp = tempfile.mkdtemp(prefix="async_vs_sync_")
     kinds = {"sync": 0, "async_s1": 1, "async_s2": 2}
     results: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-    if not args.quick:
-        time_sync(make_cfg(f"{tmp}/warmup", 1, 0, args.new_tokens))  # first-call costs out of the timings
     spin_s = 0.5 if args.quick else 2.0
-    capacity = [parallel_capacity(spin_s)]
-    for rep in range(repeats):
-        order = list(kinds)[rep % 3 :] + list(kinds)[: rep % 3]  # rotate who goes first
-        for kind in order:
-            cfg = make_cfg(f"{tmp}/{kind}_{rep}", steps, kinds[kind], args.new_tokens)
-            results[kind].append(time_sync(cfg) if kind == "sync" else time_async(cfg))
-            print(f"  repeat {rep} {kind:9s} {results[kind][-1]['total_s']:7.2f} s", flush=True)
-    if not args.quick:
-        capacity.append(parallel_capacity(spin_s))
+    with tempfile.TemporaryDirectory(prefix="async_vs_sync_") as tmp:
+        if not args.quick:  # first-call costs out of the timings (see the module docstring)
+            time_sync(make_cfg(f"{tmp}/warmup", 1, 0, args.new_tokens))
+            time_async(make_cfg(f"{tmp}/warmup_async", 1, 1, args.new_tokens))
+        capacity = [parallel_capacity(spin_s)]
+        for rep in range(repeats):
+            order = list(kinds)[rep % 3 :] + list(kinds)[: rep % 3]  # rotate who goes first
+            for kind in order:
+                cfg = make_cfg(f"{tmp}/{kind}_{rep}", steps, kinds[kind], args.new_tokens)
+                results[kind].append(time_sync(cfg) if kind == "sync" else time_async(cfg))
+                print(f"  repeat {rep} {kind:9s} {results[kind][-1]['total_s']:7.2f} s", flush=True)
+        if not args.quick:
+            capacity.append(parallel_capacity(spin_s))
 
     def med(kind: str, key: str) -> float:
         return median([r[key] for r in results[kind]])
@@ -199,7 +218,11 @@ def main() -> None:
         + f"  (generation+reward {phase['generation'] + phase['reward']:.3f} s vs "
         f"logprobs+training+sync {train_side:.3f} s)"
     )
-    print(f"sync          total {med('sync', 'total_s'):7.2f} s  cores used {med('sync', 'cores_used'):.2f}")
+    sync_step_cpu = 1000 * median([r["total_s"] * r["cores_used"] for r in results["sync"]]) / steps
+    print(
+        f"sync          total {med('sync', 'total_s'):7.2f} s  cores used {med('sync', 'cores_used'):.2f} "
+        f"(CPU per step {sync_step_cpu:.0f} ms)"
+    )
     for kind in ("async_s1", "async_s2"):
         print(
             f"{kind:13s} total {med(kind, 'total_s'):7.2f} s  step {med(kind, 'step_s'):.3f} s  "
@@ -207,7 +230,9 @@ def main() -> None:
             f"mean lag {med(kind, 'staleness_mean'):.2f}  dropped stale {med(kind, 'dropped_stale'):.0f}  "
             f"generated {med(kind, 'generated'):.0f} samples\n"
             f"{'':13s} cores used {med(kind, 'cores_used'):.2f} (CPU s: trainer process "
-            f"{med(kind, 'trainer_cpu_s'):.2f}, rollout actor {med(kind, 'rollout_cpu_s'):.2f})"
+            f"{med(kind, 'trainer_cpu_s'):.2f}, rollout actor {med(kind, 'rollout_cpu_s'):.2f}; per step "
+            f"{1000 * med(kind, 'trainer_cpu_s') / steps:.0f} ms and "
+            f"{1000 * med(kind, 'rollout_cpu_s') / steps:.0f} ms)"
         )
     one, two = (median([c[i] for c in capacity]) for i in (0, 1))
     print(
