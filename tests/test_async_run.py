@@ -123,8 +123,22 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
             attach_rows([redone], cfg.grpo, pad_id=worker.engine.tokenizer.pad_token_id or 0)
             for k, v in redone.rows.items():
                 assert v.dtype == group.samples.rows[k].dtype and (v == group.samples.rows[k]).all(), k
+        # set_weights sent while a call is in flight waits for it; a call that comes after it (a Ray
+        # call overtaken by the set_weights sent after it) is refused, never generated at other weights
+        slow = asyncio.ensure_future(worker.generate_groups([other, prompt], 3))
+        await asyncio.sleep(0)  # the call has started
+        load = asyncio.ensure_future(worker.set_weights(4, payload(4)))
+        await asyncio.sleep(0)
+        with pytest.raises(RolloutFailure, match="asked for weight version 3 .* loading\\) 4"):
+            await worker.generate_group(prompt, 3)
+        done = await slow
+        await load
+        assert all(r.weight_version == 3 for g in done for r in g.samples.results)
+        assert worker.engine.weight_version == 4
+        with pytest.raises(RolloutFailure, match="holds \\(or is loading\\) 4"):
+            await worker.generate_group(prompt, 3)
         with pytest.raises(WeightSyncError, match="failed the probe check"):
-            await worker.set_weights(4, payload(4, probe=sync.trainer_probe(policy) - 0.5))
+            await worker.set_weights(5, payload(5, probe=sync.trainer_probe(policy) - 0.5))
 
     asyncio.run(asyncio.wait_for(body(), 60))
     policy.shutdown()

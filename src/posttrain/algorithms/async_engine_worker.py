@@ -304,6 +304,7 @@ class EngineRolloutWorker:
         self._sync = probe_sync(cfg, engine.vocab_size) if cfg.weight_sync.probe.enabled else None
         self._sync_metrics: dict[str, float] = {}
         self._running: set[asyncio.Task] = set()  # generate calls in flight (set_weights waits for them)
+        self._loading: int | None = None  # the version a set_weights in progress loads
 
     async def _tracked(self, call: Any) -> Any:
         task = asyncio.current_task()
@@ -334,6 +335,12 @@ class EngineRolloutWorker:
         return result
 
     async def _generate_scored(self, prompt: PromptItem, weight_version: int) -> GroupResult:
+        held = self.engine.weight_version if self._loading is None else self._loading
+        if held != weight_version:  # e.g. a Ray call overtaken by the set_weights sent after it
+            raise RolloutFailure(
+                f"{self.name}: asked for weight version {weight_version} of prompt {prompt.prompt_id}, "
+                f"but the engine holds (or is loading) {held}"
+            )
         g = self.cfg.grpo.num_generations_per_prompt
         seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
         params = self.cfg.sampling.model_copy(update={"seed": seed})
@@ -377,10 +384,14 @@ class EngineRolloutWorker:
             raise ValueError(
                 f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
             )
-        while running := [t for t in self._running if not t.done()]:
-            await asyncio.wait(running)
-        t0 = time.perf_counter()
-        await self.engine.load_weights_async(weights.state, version)
+        self._loading = version
+        try:
+            while running := [t for t in self._running if not t.done()]:
+                await asyncio.wait(running)
+            t0 = time.perf_counter()
+            await self.engine.load_weights_async(weights.state, version)
+        finally:
+            self._loading = None
         metrics = {"weight_sync/seconds": time.perf_counter() - t0}
         if self._sync is not None and weights.probe_logprobs is not None:
             seqs = self._sync.probe.sequences
