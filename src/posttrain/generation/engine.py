@@ -4,11 +4,14 @@
 use the `past_key_values.update(...)` protocol (Llama, Qwen2, Mistral-style models). Requests wait
 in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, up to
 `max_prefill_tokens` per forward), then decodes one token for every active slot. A finished
-sequence frees its slot at once and the next waiting prompt takes it (continuous batching).
+sequence frees its slot at once; waiting prompts take the free slots (continuous batching) once a
+quarter of them is free, or all the waiting prompts fit, or a few decode steps have passed
+(`admit_min_free_fraction`, `admit_max_delay_steps`): each prefill is a forward of its own, so a
+trickle of one-slot prefills would cost more than the slots it fills.
 
 Three ways in: `generate(prompts, params)` blocks and returns results in prompt order (the
 synchronous loop); `submit()` + `step()` / `iter_results()` hand results back as they finish; and
-`agenerate()` / `astream()` do the same for asyncio code (one stepping thread runs while there is
+`agenerate()` / `agenerate_all()` / `astream()` do the same for asyncio code (one stepping thread runs while there is
 work, so the event loop stays free to submit more). The engine starts no thread at construction, so it can be built
 inside a Ray actor (see generation/rollout.py).
 
