@@ -341,6 +341,30 @@ def test_async_stream_agenerate_and_agenerate_all():
     assert [s.token_ids for s in single] == [expected[0].token_ids, expected[2].token_ids]
 
 
+def test_agenerate_all_leaves_nothing_behind_when_cancelled():
+    prompts = prompts_of([3, 4, 5, 6, 3, 4])
+    params = [SamplingParams(max_new_tokens=2 + i, seed=1, stop_at_eos=False) for i in range(6)]
+    expected = make_engine().generate(prompts, params)
+    engine = make_engine(max_num_seqs=4)  # two waves, results finishing over several steps
+
+    async def main():
+        together = await engine.agenerate_all(prompts, params)
+        task = asyncio.ensure_future(engine.agenerate_all(prompts, params))
+        await asyncio.sleep(0)  # submitted; its results cannot have been handed over yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        again = await engine.agenerate_all(prompts[:2], params[:2])
+        while engine.has_unfinished():  # the cancelled requests still decode; their results are dropped
+            await asyncio.sleep(0.005)
+        return together, again
+
+    together, again = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [r.token_ids for r in together] == [r.token_ids for r in expected]
+    assert [r.token_ids for r in again] == [r.token_ids for r in expected[:2]]
+    assert not engine._futures and not engine._parked
+
+
 def test_weights_load_between_requests_while_streaming():
     """load_weights_async pauses admission, lets running sequences finish on the old weights, loads,
     and the waiting requests then run on the new ones (each result says which)."""

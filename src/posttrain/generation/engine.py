@@ -650,12 +650,21 @@ class GenerationEngine:
 
     async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Load weights between requests: admission pauses, running sequences finish, weights load,
-        admission resumes (waiting requests then run on the new weights)."""
+        admission resumes (waiting requests then run on the new weights).
+
+        Idle is read under the stepping lock, between steps: a step that began before the pause may
+        still be prefilling sequences it admitted. Once idle is seen with admission paused, no step
+        admits any more (and load_weights takes the lock for the load itself)."""
         self._admit_paused = True
         try:
-            while self._active:
+            while True:
+                idle = False
+                if self._lock.acquire(blocking=False):
+                    idle = not self._active
+                    self._lock.release()
+                if idle:
+                    return self.load_weights(weights, version)
                 await asyncio.sleep(0.001)
-            return self.load_weights(weights, version)
         finally:
             self._admit_paused = False
             if self._waiting:
