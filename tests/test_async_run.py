@@ -461,12 +461,15 @@ def test_killing_a_rollout_actor_loses_no_sample(tmp_path, ray_session):
     in_flight_at_kill: list[int] = []
 
     async def kill_busy_actor(r, step, metrics):
-        """After step 1, wait until actor 0 is generating, then kill it with its groups in flight."""
+        """After step 1, wait until actor 0 is generating at the new weights (requests sent before them
+        may be about to return: weights go out while they finish), then kill it with its groups in
+        flight."""
         if step != 1:
             return
-        slot = r.controller.pool.slots[0]
+        pool = r.controller.pool
+        slot = pool.slots[0]
         for _ in range(2000):
-            if slot.in_flight:
+            if slot.in_flight and slot.version == pool.published_version:
                 break
             await asyncio.sleep(0.005)
         in_flight_at_kill.extend(slot.in_flight)

@@ -23,7 +23,6 @@ scoring is grpo.score itself: failed rewards are marked and masked, never 0. Dep
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
 import warnings
@@ -35,10 +34,9 @@ import torch
 from pydantic import Field
 from tensordict import TensorDict
 
-from posttrain.algorithms.advantages import group_advantages
 from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec
 from posttrain.algorithms.async_workers import RayRolloutWorker
-from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, engine_config, score
+from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, engine_config, samples_to_batch, score
 from posttrain.config import Config
 from posttrain.data.batch import make_batch
 from posttrain.generation.engine import GenerationEngine
@@ -90,56 +88,29 @@ def pad_token_id(tokenizer: Any) -> int:
 
 
 def attach_rows(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: int) -> None:
-    """Lay out the training rows of every group that has none yet: equal to its rows in
-    grpo.samples_to_batch over the groups (advantages within each group, failed and, with
-    overlong_filtering, truncated samples masked), as numpy arrays right-padded to the group's longest
-    row: cheap to pickle, and `stack_rows` of any groups' rows is their batch. One advantage
-    computation serves all the groups."""
+    """Lay out the training rows of every group that has none yet: their rows of grpo.samples_to_batch
+    over these groups (advantages within each group; failed and, with overlong_filtering, truncated
+    samples masked), as numpy arrays cut to the group's longest row: cheap to pickle, and `stack_rows`
+    of any groups' rows is their batch. One samples_to_batch call serves all the groups."""
     todo = [s for s in groups if s.rows is None]
     if not todo:
         return
-    sizes = [len(s.results) for s in todo]
-    failed = torch.tensor([f for s in todo for f in s.failed], dtype=torch.bool)
-    adv = group_advantages(
+    sizes = torch.tensor([len(s.results) for s in todo])
+    batch, _ = samples_to_batch(
+        [r for s in todo for r in s.results],
         torch.tensor([r for s in todo for r in s.rewards], dtype=torch.float32),
-        torch.arange(len(todo)).repeat_interleave(torch.tensor(sizes)),
-        ~failed,
-        leave_one_out=loop.use_leave_one_out_baseline,
-        std_scaling="group" if loop.normalize_rewards else "none",
-    ).numpy()
+        torch.tensor([f for s in todo for f in s.failed], dtype=torch.bool),
+        torch.arange(len(todo)).repeat_interleave(sizes),
+        loop,
+        pad_id,
+    )
+    arrays = {k: batch[k].numpy() for k in ROW_KEYS}
     first = 0
-    for s, n in zip(todo, sizes):
-        s.rows = _lay_out(s.results, adv[first : first + n], failed[first : first + n].numpy(), loop, pad_id)
+    for s, n in zip(todo, sizes.tolist()):
+        rows = slice(first, first + n)
+        width = int(arrays["input_lengths"][rows].max())
+        s.rows = {k: a[rows] if a.ndim == 1 else a[rows, :width] for k, a in arrays.items()}
         first += n
-
-
-def _lay_out(
-    results: list[GenerationResult], adv: np.ndarray, failed: np.ndarray, loop: GRPOLoopConfig, pad_id: int
-) -> dict[str, np.ndarray]:
-    n = len(results)
-    sample_mask = (~failed).astype(np.float32)
-    if loop.overlong_filtering:
-        sample_mask *= np.array([r.finish_reason != "length" for r in results], dtype=np.float32)
-    starts = np.fromiter((len(r.prompt_token_ids) for r in results), np.int64, n)
-    ends = starts + np.fromiter((len(r.token_ids) for r in results), np.int64, n)
-    positions = np.arange(int(ends.max()))
-    filled = positions < ends[:, None]
-    completion = filled & (positions >= starts[:, None])
-    ids = np.full(filled.shape, pad_id, dtype=np.int64)
-    tokens = itertools.chain.from_iterable(x for r in results for x in (r.prompt_token_ids, r.token_ids))
-    ids[filled] = np.fromiter(tokens, np.int64, int(ends.sum()))
-    token_mask = completion.astype(np.float32)
-    gen_logprobs = np.zeros(filled.shape, dtype=np.float32)
-    logprobs = itertools.chain.from_iterable(r.logprobs for r in results)
-    gen_logprobs[completion] = np.fromiter(logprobs, np.float64, int((ends - starts).sum()))
-    return {
-        "input_ids": ids,
-        "input_lengths": ends,
-        "token_mask": token_mask,
-        "sample_mask": sample_mask,
-        "generation_logprobs": gen_logprobs,
-        "advantages": adv[:, None] * token_mask,
-    }
 
 
 def stack_rows(groups: list[dict[str, np.ndarray]], pad_id: int) -> TensorDict:
