@@ -342,7 +342,8 @@ def test_worker_timeout_is_retired_and_its_groups_retried(batched):
 @pytest.mark.parametrize("batched", [False, True])
 def test_weights_reach_a_worker_that_loads_between_requests_while_it_still_generates(batched):
     """A worker with loads_between_requests gets each version as soon as it is published; its set_weights
-    waits for the requests in flight (which keep their version) and nothing new is sent to it meanwhile."""
+    waits for the requests in flight (which keep their version). Meanwhile it gets requests for the
+    new version only, which wait for the load."""
     workers = [
         FakeRolloutWorker(
             f"w{i}", latency=jittered(0.02, 0.5, i), loads_between_requests=True, batched=batched
@@ -353,6 +354,7 @@ def test_weights_reach_a_worker_that_loads_between_requests_while_it_still_gener
     summary = bounded_run(ctrl.run())
     assert summary.steps >= 5 and not summary.dead_workers
     assert sum(w.pushed_while_busy for w in workers) > 0
+    assert sum(w.waited_for_load for w in workers) > 0
     for w in workers:
         assert w.weight_updates == sorted(w.weight_updates)
     lags = [

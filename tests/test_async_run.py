@@ -10,6 +10,7 @@ import math
 import pickle
 import random
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,6 +30,7 @@ from posttrain.algorithms.async_engine_worker import (
 )
 from posttrain.algorithms.async_grpo_run import (
     AsyncGRPORunConfig,
+    ChunkedTrainer,
     StepStats,
     close,
     groups_to_batch,
@@ -127,18 +129,31 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         # call overtaken by the set_weights sent after it) is refused, never generated at other weights
         slow = asyncio.ensure_future(worker.generate_groups([other, prompt], 3))
         await asyncio.sleep(0)  # the call has started
+        # a call for the next version may come before its set_weights (Ray starts a call whose
+        # arguments are ready before an earlier one whose weights are still in transit): it waits
+        early = asyncio.ensure_future(worker.generate_group(prompt, 4))
+        await asyncio.sleep(0)
         load = asyncio.ensure_future(worker.set_weights(4, payload(4)))
         await asyncio.sleep(0)
-        with pytest.raises(RolloutFailure, match="asked for weight version 3 .* loading\\) 4"):
+        with pytest.raises(RolloutFailure, match="asked for weight version 3, .* loading\\) 4"):
             await worker.generate_group(prompt, 3)
+        during = asyncio.ensure_future(worker.generate_group(other, 4))  # sent while 4 loads: waits
         done = await slow
         await load
         assert all(r.weight_version == 3 for g in done for r in g.samples.results)
         assert worker.engine.weight_version == 4
+        for group in (await early, await during):
+            assert group.weight_version == 4 and all(r.weight_version == 4 for r in group.samples.results)
         with pytest.raises(RolloutFailure, match="holds \\(or is loading\\) 4"):
             await worker.generate_group(prompt, 3)
+        # a failed load (here the probe check) fails the calls waiting for it, and every later call
+        waiting = asyncio.ensure_future(worker.generate_group(prompt, 5))
+        await asyncio.sleep(0)
         with pytest.raises(WeightSyncError, match="failed the probe check"):
             await worker.set_weights(5, payload(5, probe=sync.trainer_probe(policy) - 0.5))
+        for call in (waiting, worker.generate_group(prompt, 5), worker.generate_group(prompt, 6)):
+            with pytest.raises(RolloutFailure, match="loading weight version 5 failed: WeightSyncError"):
+                await call
 
     asyncio.run(asyncio.wait_for(body(), 60))
     policy.shutdown()
@@ -292,6 +307,96 @@ def test_dynamic_sampling_filters_zero_variance_groups_as_they_arrive(tmp_path):
         got = [asyncio.run(prepare(group(g, r), 0)) for g, r in enumerate(([1.0] * 4, [0.0, 1.0, 0.0, 1.0]))]
         assert [None if x is None else "kept" for x in got] == expect
     assert stats.pop()["groups_dropped_zero_variance"] == 1
+
+
+class _StubPolicy:
+    """The Policy verbs ChunkedTrainer uses; `train_microbatch` can be held (an Event) or fail."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.rows: list[int] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.fail_on = fail_on
+        self.version = 0
+
+    def get_states(self):
+        return [{"trainer_version": self.version}]
+
+    def prepare_for_training(self):
+        pass
+
+    def begin_train_step(self, loss_fn):
+        self.calls.append("begin")
+
+    def train_microbatch(self, batch):
+        self.hold.wait(30)
+        self.calls.append(f"chunk{len(self.rows)}")
+        self.rows.append(len(batch["input_ids"]))
+        if self.fail_on == len(self.rows):
+            raise ValueError("chunk blew up")
+
+    def finish_train_step(self):
+        self.calls.append("finish")
+        self.version += 1
+        return {"loss": 0.0}
+
+    def abort_train_step(self):
+        self.calls.append("abort")
+
+
+def _groups(n: int) -> list[GroupSamples]:
+    results = [GenerationResult(i, 0, [5, 6], [7, 8], [-1.0, -2.0], "stop") for i in range(4)]
+    return [GroupSamples(g, results, [0.0, 1.0, 0.0, 1.0], [False] * 4) for g in range(n)]
+
+
+def test_chunks_train_while_the_controller_takes_the_next_groups():
+    """train_group queues a full chunk on the policy thread and returns at once; the chunks train in
+    order, finish waits for all of them before the optimizer step, and the policy thread's working time
+    is what the controller reports (trainer idle is the rest)."""
+    policy = _StubPolicy()
+    trainer = ChunkedTrainer(policy, GRPOLoopConfig(), pad_id=0, min_rows=8, reference=False, prev=False)
+
+    async def step() -> dict:
+        await trainer.begin(None)
+        policy.hold.clear()  # chunks block on the policy thread
+        for g in _groups(5):
+            await asyncio.wait_for(trainer.train_group(g), 5)  # returns while its chunk is held
+        assert policy.rows == [] and len(trainer._queued) == 2
+        policy.hold.set()
+        busy = trainer.busy_seconds()
+        out = await asyncio.wait_for(trainer.finish(), 30)
+        assert trainer.busy_seconds() > busy
+        return out
+
+    assert asyncio.run(step()) == {"loss": 0.0}
+    assert policy.calls == ["begin", "chunk0", "chunk1", "chunk2", "finish"]
+    assert policy.rows == [8, 8, 4] and trainer.version == 1
+    trainer.close()
+
+
+@pytest.mark.parametrize("fail_on", [1, 3])
+def test_a_failed_chunk_aborts_the_step_and_never_reaches_the_optimizer(fail_on):
+    """The error of a queued chunk comes out of the next train_group (chunk 1) or out of finish (the
+    last chunk): the controller then aborts, and finish_train_step never runs."""
+    policy = _StubPolicy(fail_on=fail_on)
+    trainer = ChunkedTrainer(policy, GRPOLoopConfig(), pad_id=0, min_rows=8, reference=False, prev=False)
+
+    async def step() -> None:
+        await trainer.begin(None)
+        try:
+            for g in _groups(6):
+                await trainer.train_group(g)
+                await asyncio.sleep(0.05)  # the queued chunk runs meanwhile
+            await trainer.finish()
+        finally:
+            await trainer.abort()
+
+    with pytest.raises(ValueError, match="chunk blew up"):
+        asyncio.run(step())
+    assert "finish" not in policy.calls and policy.calls[-1] == "abort"
+    assert policy.rows == [8] * fail_on and trainer.version == 0
+    trainer.close()
 
 
 # --------------------------------------------------------------------------- a whole local run

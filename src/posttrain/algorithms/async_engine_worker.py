@@ -7,17 +7,18 @@ scoring is grpo.score itself: failed rewards are marked and masked, never 0. Dep
 - a group is drawn with a seed derived from (seed, prompt id, weight version), sample k from the
   engine's random stream k of that seed, so a group retried after its worker died is drawn again
   identically, whatever worker takes it; its G requests enter the engine in one `agenerate_all` call;
-- the reward runs on a thread right after the group is generated. `task.reward.max_failed_fraction`
-  is checked per step by the trainer side (as grpo.py checks it per step batch), not per group; a
-  `RewardError` (`on_reward_error: raise`) becomes a `RolloutFailure`: the group is retried, then
-  reported (`max_retries`);
-- with the rewards, the worker lays out the group's training rows (`attach_rows`: advantages within
-  the group, failed samples masked, exactly as grpo.samples_to_batch does) as numpy arrays, so the
-  trainer only stacks them (`stack_rows`): the work leaves the trainer, which is the busier side;
+- the rewards of a call's groups run in one call on a thread once they are generated.
+  `task.reward.max_failed_fraction` is checked per step by the trainer side (as grpo.py checks it per
+  step batch), not per group; a `RewardError` (`on_reward_error: raise`) fails its group alone (a
+  `RolloutFailure` result): the group is retried, then reported (`max_retries`);
+- in the same thread call, the worker lays out the groups' training rows (`attach_rows`: advantages
+  within each group, failed samples masked, exactly as grpo.samples_to_batch does) as numpy arrays,
+  so the trainer only stacks them (`stack_rows`): the work leaves the trainer, the busier side;
 - weights arrive as one `WeightsPayload` (state dict packed into one byte buffer + the trainer's probe
   logprobs, one `ray.put` per version under Ray); the worker loads it between requests and checks its
   own logprobs on the probe batch (generation/probe.py); a failed check raises `WeightSyncError` and
-  the controller retires the worker.
+  the controller retires the worker. Requests for the new version may come before the load: they
+  wait for it (and its check), so the next requests travel while the last old ones finish.
 """
 
 from __future__ import annotations
@@ -261,7 +262,11 @@ class EngineRolloutWorker:
     """A `RolloutWorker` over an in-process `GenerationEngine` (see the module docstring).
 
     Several groups may be in flight at once: they share the engine's continuous batch. `set_weights`
-    may come while they are: it waits for them (`loads_between_requests`)."""
+    may come while they are: it waits for them (`loads_between_requests`). A call for the version being
+    loaded (or one not arrived yet: Ray may start a call before an earlier `set_weights` whose weights
+    are still in transit) waits until it is loaded and checked, so the controller sends the next
+    requests with the new weights instead of after them; a call for an older version fails
+    (`RolloutFailure`, retried), and after a failed load every call fails."""
 
     loads_between_requests = True
 
@@ -276,6 +281,9 @@ class EngineRolloutWorker:
         self._sync_metrics: dict[str, float] = {}
         self._running: set[asyncio.Task] = set()  # generate calls in flight (set_weights waits for them)
         self._loading: int | None = None  # the version a set_weights in progress loads
+        self._loaded = asyncio.Event()  # set (and replaced) whenever a set_weights ends
+        self._loaded_loop: asyncio.AbstractEventLoop | None = None
+        self._broken: str | None = None  # why the last load failed (the engine's weights are suspect)
 
     async def _tracked(self, call: Any) -> Any:
         task = asyncio.current_task()
@@ -301,75 +309,114 @@ class EngineRolloutWorker:
     async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
         """Generate and score the `num_generations_per_prompt` completions of `prompt`, and lay out
         their training rows."""
-        result = await self._tracked(self._generate_scored(prompt, weight_version))
-        attach_rows([result.samples], self.cfg.grpo, self._pad_id)
+        (result,) = await self.generate_groups([prompt], weight_version)
+        if result.error is not None:
+            raise RolloutFailure(result.error)
         return result
-
-    async def _generate_scored(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        held = self.engine.weight_version if self._loading is None else self._loading
-        if held != weight_version:  # e.g. a Ray call overtaken by the set_weights sent after it
-            raise RolloutFailure(
-                f"{self.name}: asked for weight version {weight_version} of prompt {prompt.prompt_id}, "
-                f"but the engine holds (or is loading) {held}"
-            )
-        g = self.cfg.grpo.num_generations_per_prompt
-        seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
-        params = self.cfg.sampling.model_copy(update={"seed": seed})
-        ids = list(prompt.prompt_token_ids)
-        t0 = time.perf_counter()
-        results = await self.engine.agenerate_all([ids] * g, params)  # request k: stream k
-        t1 = time.perf_counter()
-        try:
-            rewards, failed, summary = await asyncio.to_thread(score, self._score_view, [prompt], results)
-        except RewardError as e:
-            raise RolloutFailure(f"{self.name}: reward of prompt {prompt.prompt_id} failed: {e}") from e
-        versions = {r.weight_version for r in results}
-        stamp = versions.pop() if len(versions) == 1 else -1  # mixed versions: the controller refuses it
-        timings = {"generation_s": t1 - t0, "reward_s": time.perf_counter() - t1}
-        metrics = {**summary, **timings, **self._sync_metrics}
-        return GroupResult(
-            GroupSamples(prompt.prompt_id, results, rewards.tolist(), failed.tolist(), metrics), stamp, g
-        )
 
     async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         """`generate_group` for several prompts at once: all their completions enter the engine's
-        batch together. A group whose reward fails comes back with `error` set (it alone is retried)."""
-        calls = [self._generate_scored(p, weight_version) for p in prompts]
-        out = await self._tracked(asyncio.gather(*calls, return_exceptions=True))
-        for r in out:
-            if isinstance(r, BaseException) and not isinstance(r, RolloutFailure):
-                raise r
+        batch together, and are scored and laid out in one call on a thread. A group whose reward
+        fails comes back with `error` set (it alone is retried)."""
+        await self._await_version(weight_version)
+        # tracked from here on, in the same turn of the event loop: a set_weights waits for this call
+        return await self._tracked(self._generate_scored(prompts, weight_version))
+
+    async def _await_version(self, version: int) -> None:
+        """Return once the engine holds `version` (loaded and checked) and no newer load is pending."""
+        while True:
+            if self._broken is not None:
+                raise RolloutFailure(f"{self.name}: {self._broken}")
+            held = self.engine.weight_version
+            newest = held if self._loading is None else self._loading
+            if version == held == newest:
+                return
+            if version < newest:  # e.g. a Ray call overtaken by the set_weights sent after it
+                raise RolloutFailure(
+                    f"{self.name}: asked for weight version {version}, but the engine holds (or is "
+                    f"loading) {newest}"
+                )
+            await self._version_event().wait()  # a newer version is loading, or on its way: wait for it
+
+    def _version_event(self) -> asyncio.Event:
+        """The event the next set_weights sets, of the running event loop (a local worker may serve
+        several runs, each with its own loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loaded_loop is not loop:
+            self._loaded, self._loaded_loop = asyncio.Event(), loop
+        return self._loaded
+
+    async def _generate_scored(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         g = self.cfg.grpo.num_generations_per_prompt
-        results = [
-            GroupResult(None, weight_version, g, error=str(r)) if isinstance(r, RolloutFailure) else r
-            for r in out
-        ]
-        attach_rows([r.samples for r in results if r.error is None], self.cfg.grpo, self._pad_id)
-        return results
+        generated = await asyncio.gather(*(self._generate(p, weight_version, g) for p in prompts))
+        return await asyncio.to_thread(self._score_groups, prompts, generated, weight_version)
+
+    async def _generate(
+        self, prompt: PromptItem, weight_version: int, g: int
+    ) -> tuple[list[GenerationResult], float]:
+        """The group's completions (request k draws from stream k of its seed) and their seconds."""
+        seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
+        params = self.cfg.sampling.model_copy(update={"seed": seed})
+        t0 = time.perf_counter()
+        results = await self.engine.agenerate_all([list(prompt.prompt_token_ids)] * g, params)
+        return results, time.perf_counter() - t0
+
+    def _score_groups(
+        self,
+        prompts: list[PromptItem],
+        generated: list[tuple[list[GenerationResult], float]],
+        weight_version: int,
+    ) -> list[GroupResult]:
+        """Blocking: score each group (a failed reward fails its group alone) and lay out the rows."""
+        g = self.cfg.grpo.num_generations_per_prompt
+        out = []
+        for prompt, (results, seconds) in zip(prompts, generated):
+            t0 = time.perf_counter()
+            try:
+                rewards, failed, summary = score(self._score_view, [prompt], results)
+            except RewardError as e:
+                error = f"{self.name}: reward of prompt {prompt.prompt_id} failed: {e}"
+                out.append(GroupResult(None, weight_version, g, error=error))
+                continue
+            versions = {r.weight_version for r in results}
+            stamp = versions.pop() if len(versions) == 1 else -1  # mixed versions: the controller refuses it
+            timings = {"generation_s": seconds, "reward_s": time.perf_counter() - t0}
+            group_metrics = {**summary, **timings, **self._sync_metrics}
+            samples = GroupSamples(
+                prompt.prompt_id, results, rewards.tolist(), failed.tolist(), group_metrics
+            )
+            out.append(GroupResult(samples, stamp, g))
+        attach_rows([r.samples for r in out if r.error is None], self.cfg.grpo, self._pad_id)
+        return out
 
     async def set_weights(self, version: int, weights: WeightsPayload) -> None:
-        """Load `weights` once the generate calls in flight have finished (they keep their version;
-        the controller sends no new one meanwhile), then check the engine's logprobs on the probe
-        batch."""
+        """Load `weights` once the generate calls in flight have finished (they keep their version),
+        then check the engine's logprobs on the probe batch; calls for `version` that come meanwhile
+        wait for both."""
         if weights.version != version:
             raise ValueError(
                 f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
             )
-        self._loading = version
+        self._loading = version  # calls for it wait, calls for older versions fail, until the check
         try:
             while running := [t for t in self._running if not t.done()]:
                 await asyncio.wait(running)
             t0 = time.perf_counter()
             await self.engine.load_weights_async(weights.state, version)
+            metrics = {"weight_sync/seconds": time.perf_counter() - t0}
+            if self._sync is not None and weights.probe_logprobs is not None:
+                seqs = self._sync.probe.sequences
+                lp = await asyncio.to_thread(self.engine.compute_logprobs, seqs, weights.temperature)
+                checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
+                metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
+            self._sync_metrics = metrics
+        except Exception as e:  # a cancelled push is not a failed load: the controller pushes again
+            self._broken = f"loading weight version {version} failed: {type(e).__name__}: {e}"
+            raise
         finally:
             self._loading = None
-        metrics = {"weight_sync/seconds": time.perf_counter() - t0}
-        if self._sync is not None and weights.probe_logprobs is not None:
-            seqs = self._sync.probe.sequences
-            lp = await asyncio.to_thread(self.engine.compute_logprobs, seqs, weights.temperature)
-            checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
-            metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
-        self._sync_metrics = metrics
+            self._version_event().set()  # wake the calls waiting for a version
+            self._loaded = asyncio.Event()
 
 
 class EngineRolloutActor:

@@ -146,7 +146,8 @@ class AsyncGRPOController:
         self.samples_codec = samples_codec
         self.sampler = StalenessSampler(cfg.max_staleness, cfg.selection)
         self.ledger = Ledger()
-        self.meter = StepMeter(time.monotonic, cfg.max_staleness)
+        busy = getattr(trainer, "busy_seconds", None)  # optional: the trainer's own working time
+        self.meter = StepMeter(time.monotonic, cfg.max_staleness, busy)
         self.pool = RolloutPool(cfg, dataset, workers, self.ledger, self.meter, self._on_group, self._held)
         self.step = 0
         self.trainer_version = trainer.version

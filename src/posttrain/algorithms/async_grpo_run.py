@@ -167,9 +167,14 @@ def groups_to_batch(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: in
 class ChunkedTrainer(PolicyTrainer):
     """The Policy as the controller's trainer, fed `GroupSamples` and training them in chunks.
 
-    `train_group` collects groups until they hold `min_rows` rows, then (on the policy thread) turns
-    them into one batch, adds reference (and, with `prev`, prev) logprobs at the open step's weights
-    and calls `train_microbatch`; `finish` trains what is left first; `abort` drops it."""
+    `train_group` collects groups until they hold `min_rows` rows, then queues the chunk on the
+    policy thread, which turns it into one batch, adds reference (and, with `prev`, prev) logprobs at
+    the open step's weights and calls `train_microbatch`. It does not wait for the chunk: the
+    controller takes the next groups while it trains, and the thread runs the chunks in order, so it
+    goes from one chunk to the next without waiting for the event loop. A chunk that failed surfaces at
+    the next `train_group` or at `finish`, which queues what is left and waits for every chunk before
+    the optimizer step: a step with a failed chunk is aborted, never applied. `abort` drops what is
+    not trained yet (the abort runs on the thread after the chunks queued before it)."""
 
     def __init__(
         self,
@@ -183,28 +188,53 @@ class ChunkedTrainer(PolicyTrainer):
         super().__init__(policy)
         self.loop, self.pad_id, self.min_rows, self.reference = loop, pad_id, min_rows, reference
         self.prev = prev
-        self._pending: list[GroupSamples] = []
+        self._pending: list[GroupSamples] = []  # groups of the next chunk
+        self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
 
     def _train_chunk(self, groups: list[GroupSamples]) -> None:
         batch = groups_to_batch(groups, self.loop, self.pad_id)
         self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))
 
-    async def _flush(self) -> None:
+    def _queue_chunk(self) -> None:
         chunk, self._pending = self._pending, []
         if chunk:
-            await self.call(self._train_chunk, chunk)
+            self._queued.append(self.submit(self._train_chunk, chunk))
+
+    def _raise_failed(self) -> None:
+        """Raise the error of a chunk that has failed; forget the chunks that have trained."""
+        for fut in [f for f in self._queued if f.done()]:
+            self._queued.remove(fut)
+            fut.result()
+
+    def _drop_queued(self) -> None:
+        """Forget the queued chunks (the step is finishing or aborted): results are dropped, and an
+        error not raised yet is logged (the step it belongs to is aborted anyway)."""
+        for fut in self._queued:
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled() and fut.exception() is not None:
+                log.warning("a chunk of the aborted train step failed too: %r", fut.exception())
+        self._queued = []
 
     async def train_group(self, batch: GroupSamples) -> None:
+        self._raise_failed()
         self._pending.append(batch)
         if sum(len(s.results) for s in self._pending) >= self.min_rows:
-            await self._flush()
+            self._queue_chunk()
 
     async def finish(self) -> dict[str, float]:
-        await self._flush()
+        self._queue_chunk()
+        while self._queued:  # a failed chunk raises here; the controller then aborts the step
+            fut = self._queued[0]
+            try:
+                await fut
+            finally:
+                self._queued.remove(fut)
         return await super().finish()
 
     async def abort(self) -> None:
         self._pending = []
+        self._drop_queued()
         await super().abort()
 
 

@@ -43,10 +43,15 @@ class BusyMeter:
 class StepMeter:
     """Per-step and cumulative counters plus the windows needed for idle fractions and rates."""
 
-    def __init__(self, clock: Callable[[], float], max_staleness: int) -> None:
+    def __init__(
+        self, clock: Callable[[], float], max_staleness: int, trainer_busy: Callable[[], float] | None = None
+    ) -> None:
         self.clock = clock
         self.max_staleness = max_staleness
         self.totals: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        # Trainer idle: with `trainer_busy` (cumulative seconds the trainer spent working, on `clock`),
+        # the time it was not working; without it, the time the controller waited for groups.
+        self.trainer_busy = trainer_busy
         self.trainer_idle = BusyMeter(clock)
         self._window_start = clock()
         self._window_totals: Counter[str] = Counter()
@@ -60,7 +65,7 @@ class StepMeter:
     def begin_window(self, gen_busy: float, gen_alive: float) -> None:
         self._window_start = self.clock()
         self._window_totals = Counter(self.totals)
-        self._window_idle = self.trainer_idle.total()
+        self._window_idle = self._idle_total()
         self._window_gen = (gen_busy, gen_alive)
 
     def step_metrics(
@@ -76,7 +81,7 @@ class StepMeter:
             "step_time_s": elapsed,
             "samples_per_s": samples / elapsed,
             "generated_samples_per_s": delta["generated_samples"] / elapsed,
-            "trainer_idle_fraction": min(1.0, (self.trainer_idle.total() - self._window_idle) / elapsed),
+            "trainer_idle_fraction": min(1.0, max(0.0, (self._idle_total() - self._window_idle) / elapsed)),
             "generation_idle_fraction": 1.0 - busy / alive if alive > 0 else 1.0,
             "staleness/mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness/max": float(max(lags)) if lags else 0.0,
@@ -87,6 +92,12 @@ class StepMeter:
             out[f"groups_{k}" if k in GROUP_COUNTERS else k] = float(delta[k])
             out[f"total/{k}"] = float(self.totals[k])
         return out
+
+    def _idle_total(self) -> float:
+        """Cumulative trainer idle seconds (only differences between two readings are meaningful)."""
+        if self.trainer_busy is not None:
+            return self.clock() - self.trainer_busy()
+        return self.trainer_idle.total()
 
     def state_dict(self) -> dict[str, Any]:
         return {"totals": dict(self.totals)}

@@ -73,9 +73,11 @@ class GroupResult:
 class RolloutWorker(Protocol):
     """A generator of prompt groups. The controller never calls `set_weights` while a request is in flight,
     unless the worker has `loads_between_requests = True`: its `set_weights`, called while requests are
-    in flight, waits for them to finish (they keep the version they were sent with), then loads, and
-    the controller sends it nothing new meanwhile. The new weights then travel while the last requests
-    of the old version still run, instead of after them.
+    in flight, waits for them to finish (they keep the version they were sent with), then loads. The
+    controller sends it no request for the old version meanwhile, but may send requests for the new
+    one: such a request must wait until that version is loaded (it may even arrive before the
+    `set_weights` call) and fail (`RolloutFailure`) if the load fails. The new weights then travel
+    while the last requests of the old version still run, and the next requests while they load.
 
     A worker may also have `async generate_groups(prompts, weight_version) -> list[GroupResult]` (one
     result per prompt, in order; a group that fails alone is a result with `error` set, an exception

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -94,15 +95,41 @@ class SerialThread:
         server.thread.name = name
         self._server = server
         self._closed = False
+        self._busy = 0.0  # seconds spent in finished calls (time.monotonic)
+        self._since: float | None = None  # start of the call running now
+        self._busy_lock = threading.Lock()
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the thread, after every call submitted before it."""
+    def busy_seconds(self) -> float:
+        """Seconds the thread has spent running this SerialThread's calls so far."""
+        with self._busy_lock:
+            running = time.monotonic() - self._since if self._since is not None else 0.0
+            return self._busy + running
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._busy_lock:
+            self._since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            with self._busy_lock:
+                assert self._since is not None
+                self._busy += time.monotonic() - self._since
+                self._since = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queue `fn(*args)` to run on the thread after every call submitted before it; the returned
+        future (of the running event loop) gets its result or exception. Cancelling the future does
+        not stop the call, it only drops the result."""
         if self._closed or not self._server.thread.is_alive():
             raise RuntimeError("SerialThread is closed")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._server.queue.put((fn, args, fut, loop))
-        return await fut
+        self._server.queue.put((self._timed, (fn, *args), fut, loop))
+        return fut
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the thread, after every call submitted before it."""
+        return await self.submit(fn, *args)
 
     def close(self) -> None:
         """Stop taking calls; the thread parks after the calls already queued (not waited for)."""
@@ -185,9 +212,17 @@ class PolicyTrainer:
             raise RuntimeError(f"the policy ranks disagree on trainer_version: {sorted(versions)}")
         return versions.pop()
 
+    def busy_seconds(self) -> float:
+        """Seconds the policy thread has spent working (the controller's trainer idle is the rest)."""
+        return self._thread.busy_seconds()
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Any blocking call, serialized with the Policy verbs."""
         return await self._thread.call(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Queue a blocking call behind the Policy verbs already queued, without waiting for it."""
+        return self._thread.submit(fn, *args)
 
     def _begin(self, loss_fn: LossFn) -> None:
         self.policy.prepare_for_training()  # idempotent; a weight export may have left it in INFERENCE

@@ -39,6 +39,10 @@ def jittered(base: float, jitter: float, seed: int = 0) -> Callable[[int, int], 
     return fn
 
 
+def _held(version: int | None) -> int:
+    return -1 if version is None else version
+
+
 class FakeRolloutWorker:
     """A rollout worker that sleeps instead of generating.
 
@@ -49,7 +53,8 @@ class FakeRolloutWorker:
       RolloutFailure when `raise_failures`) before it succeeds;
     - `fail_set_weights`: set_weights raises WorkerLostError.
     With `loads_between_requests`, set_weights waits for the requests in flight (the controller then
-    sends weights as soon as they are published). With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
+    sends weights as soon as they are published), and a request for a newer version than the worker
+    holds waits for that version's load (`waited_for_load` counts them). With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
     back as its result's `error`, a lost worker fails the call); call indices count groups.
     It records every call and any contract violation (weights changed mid-request, wrong version).
     """
@@ -90,7 +95,9 @@ class FakeRolloutWorker:
         self.active = 0
         self.max_active = 0
         self.updating = False  # in set_weights, waiting for the requests in flight
+        self.loading: int | None = None  # the version a set_weights in progress loads
         self.pushed_while_busy = 0  # set_weights calls that came while requests were in flight
+        self.waited_for_load = 0  # requests that waited for their version to load
 
     async def generate_group(self, prompt: dict[str, Any], weight_version: int) -> GroupResult:
         call = len(self.calls)  # taken before any await, so concurrent calls never share an index
@@ -98,10 +105,16 @@ class FakeRolloutWorker:
         self.calls.append((call, prompt_id, weight_version))
         if self.dead:
             raise WorkerLostError(f"{self.name} is dead")
+        if self.updating and weight_version != self.loading:
+            self.violations.append(f"call {call}: version {weight_version} sent while {self.loading} loads")
+        if self.loads_between_requests and weight_version > _held(self.version):
+            self.waited_for_load += 1
+            while weight_version > _held(self.version):  # a dry run: polling is fine
+                await asyncio.sleep(0.001)
+            if weight_version != self.version:  # a newer version loaded first (as the real worker does)
+                raise RolloutFailure(f"{self.name}: version {weight_version} was replaced before it ran")
         if weight_version != self.version:
             self.violations.append(f"call {call}: asked for version {weight_version}, holds {self.version}")
-        if self.updating:
-            self.violations.append(f"call {call}: sent while set_weights waits for the requests in flight")
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -146,12 +159,12 @@ class FakeRolloutWorker:
     async def set_weights(self, version: int, weights: Any) -> None:
         if self.loads_between_requests:
             self.pushed_while_busy += bool(self.active)
-            self.updating = True
+            self.updating, self.loading = True, version
             try:
                 while self.active:  # a dry run: polling is fine
                     await asyncio.sleep(0.001)
             finally:
-                self.updating = False
+                self.updating, self.loading = False, None
         if self.active:
             self.violations.append(f"set_weights({version}) while {self.active} request(s) in flight")
         if self.dead or self.fail_set_weights:

@@ -8,7 +8,8 @@ only to a worker that holds the latest published weights and has room (`max_in_f
 groups), and only while the groups in flight plus those held by the controller stay under the
 outstanding cap. A worker gets new weights when it has no request in flight, so a request never sees
 two versions; a worker with `loads_between_requests` gets them as soon as they are published and
-loads them once its requests in flight finish (it gets no new request meanwhile).
+loads them once its requests in flight finish. Meanwhile it may get requests for the new version,
+which wait in the worker for the load: they are there when it is done, a round trip earlier.
 
 Failures: a group that fails (an error result or `RolloutFailure`) is re-queued; a worker that times
 out or is lost (`WorkerLostError`), or fails `max_consecutive_worker_errors` calls in a row, is
@@ -116,6 +117,20 @@ class _Slot:
     errors: int = 0
     in_flight: set[int] = field(default_factory=set)
     update: asyncio.Task | None = None
+    updating_to: int | None = None  # the version `update` pushes
+
+    @property
+    def early(self) -> bool:
+        """Whether the worker takes weights while requests run (`loads_between_requests`)."""
+        return bool(getattr(self.worker, "loads_between_requests", False))
+
+    def request_version(self) -> int | None:
+        """The weights a request sent to this worker now runs with (None: it takes none now). A worker
+        that loads between requests takes requests for the version it is being pushed: they wait for
+        the load."""
+        if self.update is None:
+            return self.version
+        return self.updating_to if self.early else None
 
 
 class RolloutPool:
@@ -249,7 +264,7 @@ class RolloutPool:
             if slot.update is not None:
                 slot.update.cancel()
                 tasks.append(slot.update)
-                slot.update = None
+                slot.update, slot.updating_to = None, None
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self.cfg.shutdown_timeout_s)
             if pending:
@@ -280,8 +295,7 @@ class RolloutPool:
             ready = [
                 s
                 for s in alive
-                if s.update is None
-                and s.version == self.published_version
+                if s.request_version() == self.published_version
                 and len(s.in_flight) < self.cfg.max_in_flight_per_worker
             ]
             if not ready:
@@ -316,10 +330,12 @@ class RolloutPool:
         return req
 
     def _dispatch(self, slot: _Slot, reqs: list[Request]) -> None:
-        version = slot.version
+        version = slot.request_version()
         assert version is not None
         prompts = [self.dataset[r.prompt_id] for r in reqs]
-        task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version))
+        # a request sent while its weights load waits for them: the push's bound is added to its own
+        extra = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
+        task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version, extra))
         for req in reqs:
             self.ledger.move(req.group_id, GroupState.IN_FLIGHT)
             self.in_flight[req.group_id] = (slot, req, task)
@@ -329,17 +345,17 @@ class RolloutPool:
         task.add_done_callback(functools.partial(self._on_request_done, ids, version))
 
     async def _generate(
-        self, slot: _Slot, reqs: list[Request], prompts: list[Any], version: int
+        self, slot: _Slot, reqs: list[Request], prompts: list[Any], version: int, extra_s: float
     ) -> list[GroupResult]:
         # the worker's coroutine is made here, so a task cancelled before it starts leaves none unawaited
         groups = ", ".join(str(r.group_id) for r in reqs)
         what = f"rollout worker {slot.index} (group{'s' if len(reqs) > 1 else ''} {groups})"
         if len(reqs) == 1:
             call = slot.worker.generate_group(prompts[0], version)
-            return [await bounded(call, self.cfg.request_timeout_s, what)]
+            return [await bounded(call, self.cfg.request_timeout_s + extra_s, what)]
         call = slot.worker.generate_groups(prompts, version)
         # request_timeout_s bounds one group; a call carrying k groups may take up to k times as long
-        return await bounded(call, self.cfg.request_timeout_s * len(reqs), what)
+        return await bounded(call, self.cfg.request_timeout_s * len(reqs) + extra_s, what)
 
     def _untrack(self, group_id: int) -> tuple[_Slot, Request, asyncio.Task]:
         slot, req, task = self.in_flight.pop(group_id)
@@ -457,7 +473,7 @@ class RolloutPool:
             self._requeue(req, f"worker {slot.index} retired ({reason})")
         if slot.update is not None:
             slot.update.cancel()
-            slot.update = None
+            slot.update, slot.updating_to = None, None
 
     # ------------------------------------------------------------------ weight pushes
 
@@ -466,13 +482,13 @@ class RolloutPool:
         that loads between requests (its wait for them counts against their own timeouts too)."""
         if self.published is None or slot.update is not None:
             return
-        early = bool(getattr(slot.worker, "loads_between_requests", False))
-        if slot.in_flight and not early:
+        if slot.in_flight and not slot.early:
             return
         version, weights = self.published
         if slot.version == version:
             return
         timeout = self.cfg.weight_sync_timeout_s + self.cfg.request_timeout_s * len(slot.in_flight)
+        slot.updating_to = version
         slot.update = asyncio.ensure_future(self._set_weights(slot, version, weights, timeout))
         slot.update.add_done_callback(functools.partial(self._on_update_done, slot, version))
 
@@ -483,7 +499,7 @@ class RolloutPool:
     def _on_update_done(self, slot: _Slot, version: int, task: asyncio.Task) -> None:
         if slot.update is not task:
             return
-        slot.update = None
+        slot.update, slot.updating_to = None, None
         try:
             try:
                 task.result()
