@@ -99,6 +99,13 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         # as it reaches a Ray actor: pickled (numpy bytes) and unpickled
         return pickle.loads(pickle.dumps(WeightsPayload(version, policy.full_state_dict(), probe, 1.0)))
 
+    # the Ray actor's blocking calls (one at a time, in order) draw what the asynchronous ones draw
+    other = worker.task.train.items[1]
+    worker.set_weights_blocking(3, payload(3))
+    blocking = worker.generate_groups_blocking([other, prompt], 3)
+    with pytest.raises(RolloutFailure, match="asked for weight version 4, but the engine holds 3"):
+        worker.generate_groups_blocking([prompt], 4)
+
     async def body():
         await worker.set_weights(3, payload(3))
         a = await worker.generate_group(prompt, 3)
@@ -106,8 +113,11 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         assert a.weight_version == 3 and a.num_samples == 4 and a.error is None
         assert [r.token_ids for r in a.samples.results] == [r.token_ids for r in b.samples.results]
         # several groups in one call draw what they draw one by one (a retry may go either way)
-        other = worker.task.train.items[1]
         both = await worker.generate_groups([other, prompt], 3)
+        for x, y in zip(both, blocking):
+            assert [r.token_ids for r in x.samples.results] == [r.token_ids for r in y.samples.results]
+            assert x.samples.rewards == y.samples.rewards and x.weight_version == y.weight_version == 3
+            assert all((x.samples.rows[k] == y.samples.rows[k]).all() for k in x.samples.rows)
         alone = await worker.generate_group(other, 3)
         assert [r.token_ids for r in both[1].samples.results] == [r.token_ids for r in a.samples.results]
         assert [r.token_ids for r in both[0].samples.results] == [r.token_ids for r in alone.samples.results]
@@ -156,6 +166,13 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
                 await call
 
     asyncio.run(asyncio.wait_for(body(), 60))
+    with pytest.raises(RolloutFailure, match="loading weight version 5 failed: WeightSyncError"):
+        worker.generate_groups_blocking([prompt], 5)
+    worker._broken = None  # a failed blocking load breaks the worker as well
+    with pytest.raises(WeightSyncError, match="failed the probe check"):
+        worker.set_weights_blocking(6, payload(6, probe=sync.trainer_probe(policy) - 0.5))
+    with pytest.raises(RolloutFailure, match="loading weight version 6 failed"):
+        worker.generate_groups_blocking([prompt], 6)
     policy.shutdown()
 
 

@@ -341,6 +341,25 @@ def test_async_stream_agenerate_and_agenerate_all():
     assert [s.token_ids for s in single] == [expected[0].token_ids, expected[2].token_ids]
 
 
+def test_submit_all_then_step_draws_what_generate_draws():
+    """submit_all queues requests as generate would (request k on stream k), in several batches that
+    share the engine; step() hands out their results."""
+    prompts = prompts_of([4, 6, 3, 5])
+    params = [SamplingParams(max_new_tokens=m, seed=5, stop_at_eos=False) for m in (12, 2, 7, 4)]
+    expected = make_engine().generate(prompts, params)
+    engine = make_engine(max_num_seqs=3)
+    first, second = engine.submit_all(prompts[:2], params[:2]), engine.submit_all(prompts, params)
+    got = {}
+    while engine.has_unfinished():
+        got |= {r.request_id: r for r in engine.step()}
+    assert [got[i].token_ids for i in first] == [r.token_ids for r in expected[:2]]
+    assert [got[i].token_ids for i in second] == [r.token_ids for r in expected]
+    assert [got[i].prompt_index for i in second] == [0, 1, 2, 3]
+    engine.sleep(keep_weights=False)
+    with pytest.raises(EngineStateError, match="asleep"):
+        engine.submit_all(prompts, params)
+
+
 def test_agenerate_all_leaves_nothing_behind_when_cancelled():
     prompts = prompts_of([3, 4, 5, 6, 3, 4])
     params = [SamplingParams(max_new_tokens=2 + i, seed=1, stop_at_eos=False) for i in range(6)]

@@ -351,14 +351,18 @@ class EngineRolloutWorker:
         generated = await asyncio.gather(*(self._generate(p, weight_version, g) for p in prompts))
         return await asyncio.to_thread(self._score_groups, prompts, generated, weight_version)
 
+    def _requests(self, prompt: PromptItem, weight_version: int, g: int) -> tuple[list[list[int]], Any]:
+        """The group's G requests: its prompt G times, sampled with the group's seed (request k draws
+        from stream k of it)."""
+        seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
+        return [list(prompt.prompt_token_ids)] * g, self.cfg.sampling.model_copy(update={"seed": seed})
+
     async def _generate(
         self, prompt: PromptItem, weight_version: int, g: int
     ) -> tuple[list[GenerationResult], float]:
-        """The group's completions (request k draws from stream k of its seed) and their seconds."""
-        seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
-        params = self.cfg.sampling.model_copy(update={"seed": seed})
+        """The group's completions and their seconds."""
         t0 = time.perf_counter()
-        results = await self.engine.agenerate_all([list(prompt.prompt_token_ids)] * g, params)
+        results = await self.engine.agenerate_all(*self._requests(prompt, weight_version, g))
         return results, time.perf_counter() - t0
 
     def _score_groups(
@@ -403,13 +407,8 @@ class EngineRolloutWorker:
                 await asyncio.wait(running)
             t0 = time.perf_counter()
             await self.engine.load_weights_async(weights.state, version)
-            metrics = {"weight_sync/seconds": time.perf_counter() - t0}
-            if self._sync is not None and weights.probe_logprobs is not None:
-                seqs = self._sync.probe.sequences
-                lp = await asyncio.to_thread(self.engine.compute_logprobs, seqs, weights.temperature)
-                checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
-                metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
-            self._sync_metrics = metrics
+            seconds = time.perf_counter() - t0
+            await asyncio.to_thread(self._check_loaded, weights, version, seconds)
         except Exception as e:  # a cancelled push is not a failed load: the controller pushes again
             self._broken = f"loading weight version {version} failed: {type(e).__name__}: {e}"
             raise
@@ -418,11 +417,67 @@ class EngineRolloutWorker:
             self._version_event().set()  # wake the calls waiting for a version
             self._loaded = asyncio.Event()
 
+    def _check_loaded(self, weights: WeightsPayload, version: int, seconds: float) -> None:
+        """Blocking: the engine's logprobs on the probe batch against the trainer's (WeightSyncError
+        if they differ); the sync's metrics go out with the next groups."""
+        metrics = {"weight_sync/seconds": seconds}
+        if self._sync is not None and weights.probe_logprobs is not None:
+            lp = self.engine.compute_logprobs(self._sync.probe.sequences, weights.temperature)
+            checked = self._sync.check(lp, weights.probe_logprobs, version)  # raises WeightSyncError
+            metrics |= {f"weight_sync/{k}": v for k, v in checked.items()}
+        self._sync_metrics = metrics
+
+    # ------------------------------------------------------------------ blocking (a Ray actor)
+
+    def generate_groups_blocking(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        """`generate_groups` in the calling thread: the engine steps here until the groups are done.
+        For a caller that runs one call at a time, in order (`EngineRolloutActor`): the engine must
+        already hold `weight_version`."""
+        if self._broken is not None:
+            raise RolloutFailure(f"{self.name}: {self._broken}")
+        if weight_version != self.engine.weight_version:
+            raise RolloutFailure(
+                f"{self.name}: asked for weight version {weight_version}, but the engine holds "
+                f"{self.engine.weight_version}"
+            )
+        g = self.cfg.grpo.num_generations_per_prompt
+        groups = [self.engine.submit_all(*self._requests(p, weight_version, g)) for p in prompts]
+        pending = {rid: i for i, ids in enumerate(groups) for rid in ids}
+        done: dict[int, GenerationResult] = {}
+        seconds = [0.0] * len(prompts)
+        t0 = time.perf_counter()
+        while pending:
+            for r in self.engine.step():
+                i = pending.pop(r.request_id)
+                done[r.request_id] = r
+                seconds[i] = time.perf_counter() - t0  # the group's last result sets its time
+        generated = [([done[rid] for rid in ids], s) for ids, s in zip(groups, seconds)]
+        return self._score_groups(prompts, generated, weight_version)
+
+    def set_weights_blocking(self, version: int, weights: WeightsPayload) -> None:
+        """`set_weights` in the calling thread, between calls (the engine is idle)."""
+        if weights.version != version:
+            raise ValueError(
+                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
+            )
+        try:
+            t0 = time.perf_counter()
+            self.engine.load_weights(weights.state, version)
+            self._check_loaded(weights, version, time.perf_counter() - t0)
+        except Exception as e:
+            self._broken = f"loading weight version {version} failed: {type(e).__name__}: {e}"
+            raise
+
 
 class EngineRolloutActor:
     """The body of a Ray rollout actor: one `EngineRolloutWorker` (one engine) per actor process.
 
-    Weights arrive as an ObjectRef of a `WeightsPayload` (Ray resolves it before `set_weights` runs)."""
+    A synchronous actor: Ray runs its calls one at a time in the order the controller sent them (one
+    submitter, no task retries), on the actor's main thread, where the engine steps. So a
+    `set_weights` sent while a call generates runs right after it, and the calls sent after it run
+    on the new weights, without a round trip in between (`loads_between_requests`); and no event
+    loop or thread hand-off costs the actor CPU per call. Weights arrive as an ObjectRef of a
+    `WeightsPayload` (Ray resolves it before `set_weights` runs)."""
 
     def __init__(self, cfg: GRPOConfig, name: str, torch_threads: int | None = None) -> None:
         if torch_threads is not None:
@@ -432,14 +487,17 @@ class EngineRolloutActor:
     def ready(self) -> str:
         return self.worker.name
 
-    async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        return await self.worker.generate_group(prompt, weight_version)
+    def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
+        (result,) = self.worker.generate_groups_blocking([prompt], weight_version)
+        if result.error is not None:
+            raise RolloutFailure(result.error)
+        return result
 
-    async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
-        return await self.worker.generate_groups(prompts, weight_version)
+    def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        return self.worker.generate_groups_blocking(prompts, weight_version)
 
-    async def set_weights(self, version: int, weights: WeightsPayload) -> None:
-        await self.worker.set_weights(version, weights)
+    def set_weights(self, version: int, weights: WeightsPayload) -> None:
+        self.worker.set_weights_blocking(version, weights)
 
 
 def start_ray_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> tuple[list[RayRolloutWorker], list[Any]]:
@@ -449,7 +507,12 @@ def start_ray_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> tuple[list[Ray
     from posttrain.parallel.cluster import ensure_ray
 
     ray = ensure_ray(rollout.ray_address)
-    opts = {"num_cpus": rollout.num_cpus_per_worker, "num_gpus": rollout.num_gpus_per_worker}
+    # no task retries: they would void Ray's in-order execution of a synchronous actor's calls
+    opts = {
+        "num_cpus": rollout.num_cpus_per_worker,
+        "num_gpus": rollout.num_gpus_per_worker,
+        "max_task_retries": 0,
+    }
     actor_cls = ray.remote(**opts)(EngineRolloutActor)
     names = [f"rollout-{i}" for i in range(rollout.num_workers)]
     actors = [actor_cls.remote(cfg, name, rollout.torch_threads) for name in names]

@@ -241,6 +241,16 @@ class GenerationEngine:
         self._waiting.append(req)
         return req.request_id
 
+    def submit_all(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[int]:
+        """Queue several requests as `generate` would (request k draws from stream k); returns their
+        ids, in prompt order. `step()` then hands out their results."""
+        self._check_can_run()  # before queueing anything
+        reqs = self._make_requests(prompts, params)
+        self._waiting.extend(reqs)
+        return [r.request_id for r in reqs]
+
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or decoding."""
         return bool(self._waiting or self._active)
