@@ -20,9 +20,9 @@ costs out of the timings: the synchronous loop trains on this thread, the asynch
 policy thread that later runs reuse (async_workers.SerialThread); each asynchronous run's fresh rollout
 actor generates one untimed wave after its start-up for the same reason.
 A run is 30 steps of 256 samples (earlier: 12 of 128): each asynchronous step has fixed costs the
-synchronous one has not (two Ray calls per wave and one per weight version, the weight export and
-the probe check on both sides: 15-25 ms per step on each side on this machine), and filling the pipeline costs
-one wave per run; real steps are larger and runs longer. `--prompts 16 --steps 12` is the old setting.
+synchronous one has not (a Ray call per wave and one per weight version, the weight export and the
+probe check on both sides), and filling the pipeline costs one wave per run; real steps are larger
+and runs longer. `--prompts 16 --steps 12` is the old setting.
 Both loops skip the prev-logprob forward (one optimizer step per step: the loss takes them from its
 training forward); the asynchronous one keeps its truncated importance sampling.
 

@@ -475,6 +475,22 @@ def test_trainer_hang_surfaces_within_the_timeout():
     assert trainer.events[-1] == ("abort", 0) and trainer.version == 0
 
 
+def test_a_finish_behind_queued_calls_gets_a_bound_for_each():
+    """A trainer that trains groups while the controller goes on (`queued_calls`) has its finish
+    bounded by trainer_timeout_s per queued call plus its own: 0.5 s of finish behind 2 queued calls
+    passes with a 0.3 s timeout; without them it does not."""
+    for queued, ok in ((2, True), (0, False)):
+        trainer = FakeTrainer(finish_latency=0.5)
+        trainer.queued_calls = queued
+        ctrl, trainer, _ = make(8, trainer=trainer, trainer_timeout_s=0.3, num_steps=1)
+        assert ctrl._trainer_bound() == pytest.approx(0.3 * (1 + queued))
+        if ok:
+            assert bounded_run(ctrl.run()).steps == 1
+        else:
+            with pytest.raises(TrainerError, match="finish\\(\\) did not answer within 0.3s"):
+                bounded_run(ctrl.run())
+
+
 def test_abort_that_fails_too_says_state_is_unknown():
     trainer = FakeTrainer(fail_on={"train_group": 1, "abort": 0})
     ctrl, trainer, _ = make(8, trainer=trainer)

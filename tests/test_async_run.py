@@ -5,6 +5,7 @@ mid-run (`distributed`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import pickle
@@ -41,7 +42,7 @@ from posttrain.algorithms.async_grpo_run import (
     train,
     trained_prompt_ids,
 )
-from posttrain.algorithms.async_types import RolloutFailure
+from posttrain.algorithms.async_types import RolloutFailure, WorkerLostError
 from posttrain.algorithms.grpo import GRPOLoopConfig, run_grpo, samples_to_batch
 from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.algorithms.staleness import BufferedGroup, GroupState
@@ -105,6 +106,12 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
     blocking = worker.generate_groups_blocking([other, prompt], 3)
     with pytest.raises(RolloutFailure, match="asked for weight version 4, but the engine holds 3"):
         worker.generate_groups_blocking([prompt], 4)
+    # a bad prompt fails the call before any of its requests is queued; the worker stays usable
+    too_long = dataclasses.replace(other, prompt_token_ids=[5] * 100_000)
+    with pytest.raises(ValueError, match="does not fit the context"):
+        worker.generate_groups_blocking([other, too_long], 3)
+    assert not worker.engine.has_unfinished()
+    assert worker.generate_groups_blocking([other], 3)[0].weight_version == 3
 
     async def body():
         await worker.set_weights(3, payload(3))
@@ -156,23 +163,49 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
             assert group.weight_version == 4 and all(r.weight_version == 4 for r in group.samples.results)
         with pytest.raises(RolloutFailure, match="holds \\(or is loading\\) 4"):
             await worker.generate_group(prompt, 3)
-        # a failed load (here the probe check) fails the calls waiting for it, and every later call
-        waiting = asyncio.ensure_future(worker.generate_group(prompt, 5))
+        # loaded but not yet probe-checked is not ready: a call for the version waits for the check
+        gate, check = threading.Event(), worker._check_loaded
+        worker._check_loaded = lambda *a: (gate.wait(30), check(*a))
+        load = asyncio.ensure_future(worker.set_weights(5, payload(5)))
+        while worker.engine.weight_version != 5:
+            await asyncio.sleep(0.005)
+        call = asyncio.ensure_future(worker.generate_group(prompt, 5))
+        await asyncio.sleep(0.05)
+        assert not call.done()
+        gate.set()
+        await load
+        assert (await call).weight_version == 5
+        worker._check_loaded = check
+        # a failed load (here the probe check) fails the calls waiting for it, and every later call:
+        # the worker is lost (the controller retires it)
+        waiting = asyncio.ensure_future(worker.generate_group(prompt, 6))
         await asyncio.sleep(0)
         with pytest.raises(WeightSyncError, match="failed the probe check"):
-            await worker.set_weights(5, payload(5, probe=sync.trainer_probe(policy) - 0.5))
-        for call in (waiting, worker.generate_group(prompt, 5), worker.generate_group(prompt, 6)):
-            with pytest.raises(RolloutFailure, match="loading weight version 5 failed: WeightSyncError"):
+            await worker.set_weights(6, payload(6, probe=sync.trainer_probe(policy) - 0.5))
+        for call in (waiting, worker.generate_group(prompt, 6), worker.generate_group(prompt, 7)):
+            with pytest.raises(
+                WorkerLostError, match="unusable after loading weight version 6 failed: WeightSync"
+            ):
                 await call
 
     asyncio.run(asyncio.wait_for(body(), 60))
-    with pytest.raises(RolloutFailure, match="loading weight version 5 failed: WeightSyncError"):
-        worker.generate_groups_blocking([prompt], 5)
+    with pytest.raises(WorkerLostError, match="unusable after loading weight version 6 failed: WeightSync"):
+        worker.generate_groups_blocking([prompt], 6)
     worker._broken = None  # a failed blocking load breaks the worker as well
     with pytest.raises(WeightSyncError, match="failed the probe check"):
-        worker.set_weights_blocking(6, payload(6, probe=sync.trainer_probe(policy) - 0.5))
-    with pytest.raises(RolloutFailure, match="loading weight version 6 failed"):
-        worker.generate_groups_blocking([prompt], 6)
+        worker.set_weights_blocking(7, payload(7, probe=sync.trainer_probe(policy) - 0.5))
+    with pytest.raises(WorkerLostError, match="unusable after loading weight version 7 failed"):
+        worker.generate_groups_blocking([prompt], 7)
+    # so does a failed generation step (its requests may be left in the engine)
+    worker._broken = None
+    worker.set_weights_blocking(8, payload(8))
+    step = worker.engine.step
+    worker.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("kernel failed"))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        worker.generate_groups_blocking([prompt], 8)
+    worker.engine.step = step
+    with pytest.raises(WorkerLostError, match="unusable after a generation step failed: RuntimeError"):
+        worker.generate_groups_blocking([prompt], 8)
     policy.shutdown()
 
 
@@ -380,6 +413,7 @@ def test_chunks_train_while_the_controller_takes_the_next_groups():
         for g in _groups(5):
             await asyncio.wait_for(trainer.train_group(g), 5)  # returns while its chunk is held
         assert policy.rows == [] and len(trainer._queued) == 2
+        assert trainer.queued_calls == 3  # two chunks queued, one pending: finish's bound covers them
         policy.hold.set()
         busy = trainer.busy_seconds()
         out = await asyncio.wait_for(trainer.finish(), 30)
@@ -404,7 +438,8 @@ def test_a_failed_chunk_aborts_the_step_and_never_reaches_the_optimizer(fail_on)
         try:
             for g in _groups(6):
                 await trainer.train_group(g)
-                await asyncio.sleep(0.05)  # the queued chunk runs meanwhile
+                while not all(f.done() for f in trainer._queued):  # the queued chunk runs meanwhile
+                    await asyncio.sleep(0.005)
             await trainer.finish()
         finally:
             await trainer.abort()

@@ -6,7 +6,8 @@ It is configured by the synchronous `GRPOConfig` of the run (async_grpo_run.sync
 scoring is grpo.score itself: failed rewards are marked and masked, never 0. Departures:
 - a group is drawn with a seed derived from (seed, prompt id, weight version), sample k from the
   engine's random stream k of that seed, so a group retried after its worker died is drawn again
-  identically, whatever worker takes it; its G requests enter the engine in one `agenerate_all` call;
+  identically, whatever worker takes it; the G requests of all the groups of a call enter the engine
+  together;
 - the rewards of a call's groups run in one call on a thread once they are generated.
   `task.reward.max_failed_fraction` is checked per step by the trainer side (as grpo.py checks it per
   step batch), not per group; a `RewardError` (`on_reward_error: raise`) fails its group alone (a
@@ -35,7 +36,7 @@ import torch
 from pydantic import Field
 from tensordict import TensorDict
 
-from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec
+from posttrain.algorithms.async_types import GroupResult, RolloutFailure, SamplesCodec, WorkerLostError
 from posttrain.algorithms.async_workers import RayRolloutWorker
 from posttrain.algorithms.grpo import GRPOConfig, GRPOLoopConfig, engine_config, samples_to_batch, score
 from posttrain.config import Config
@@ -263,10 +264,11 @@ class EngineRolloutWorker:
 
     Several groups may be in flight at once: they share the engine's continuous batch. `set_weights`
     may come while they are: it waits for them (`loads_between_requests`). A call for the version being
-    loaded (or one not arrived yet: Ray may start a call before an earlier `set_weights` whose weights
-    are still in transit) waits until it is loaded and checked, so the controller sends the next
-    requests with the new weights instead of after them; a call for an older version fails
-    (`RolloutFailure`, retried), and after a failed load every call fails."""
+    loaded (or for a newer one not announced yet) waits until it is loaded and checked, so the
+    controller sends the next requests with the new weights instead of after them; a call for an older
+    version fails (`RolloutFailure`, retried). After a failed load or generation step every call fails
+    with `WorkerLostError` (the controller retires the worker). The `*_blocking` methods serve a caller
+    that runs one call at a time, in order (the Ray actor)."""
 
     loads_between_requests = True
 
@@ -325,12 +327,11 @@ class EngineRolloutWorker:
     async def _await_version(self, version: int) -> None:
         """Return once the engine holds `version` (loaded and checked) and no newer load is pending."""
         while True:
-            if self._broken is not None:
-                raise RolloutFailure(f"{self.name}: {self._broken}")
+            self._check_not_broken()
             held = self.engine.weight_version
-            newest = held if self._loading is None else self._loading
-            if version == held == newest:
+            if self._loading is None and version == held:  # loaded and checked
                 return
+            newest = held if self._loading is None else max(held, self._loading)
             if version < newest:  # e.g. a Ray call overtaken by the set_weights sent after it
                 raise RolloutFailure(
                     f"{self.name}: asked for weight version {version}, but the engine holds (or is "
@@ -351,19 +352,24 @@ class EngineRolloutWorker:
         generated = await asyncio.gather(*(self._generate(p, weight_version, g) for p in prompts))
         return await asyncio.to_thread(self._score_groups, prompts, generated, weight_version)
 
-    def _requests(self, prompt: PromptItem, weight_version: int, g: int) -> tuple[list[list[int]], Any]:
-        """The group's G requests: its prompt G times, sampled with the group's seed (request k draws
-        from stream k of it)."""
+    def _requests(self, prompt: PromptItem, weight_version: int) -> tuple[list[int], Any]:
+        """A group's prompt and sampling parameters: its G requests share them, with the group's seed
+        (request k draws from stream k of it)."""
         seed = group_seed(self.cfg.grpo.seed, prompt.prompt_id, weight_version)
-        return [list(prompt.prompt_token_ids)] * g, self.cfg.sampling.model_copy(update={"seed": seed})
+        return list(prompt.prompt_token_ids), self.cfg.sampling.model_copy(update={"seed": seed})
 
     async def _generate(
         self, prompt: PromptItem, weight_version: int, g: int
     ) -> tuple[list[GenerationResult], float]:
         """The group's completions and their seconds."""
+        ids, params = self._requests(prompt, weight_version)
         t0 = time.perf_counter()
-        results = await self.engine.agenerate_all(*self._requests(prompt, weight_version, g))
+        results = await self.engine.agenerate_all([ids] * g, params)
         return results, time.perf_counter() - t0
+
+    def _check_not_broken(self) -> None:
+        if self._broken is not None:  # the pool retires a lost worker and retries its groups elsewhere
+            raise WorkerLostError(f"{self.name}: the engine is unusable after {self._broken}")
 
     def _score_groups(
         self,
@@ -433,25 +439,33 @@ class EngineRolloutWorker:
         """`generate_groups` in the calling thread: the engine steps here until the groups are done.
         For a caller that runs one call at a time, in order (`EngineRolloutActor`): the engine must
         already hold `weight_version`."""
-        if self._broken is not None:
-            raise RolloutFailure(f"{self.name}: {self._broken}")
+        self._check_not_broken()
         if weight_version != self.engine.weight_version:
             raise RolloutFailure(
                 f"{self.name}: asked for weight version {weight_version}, but the engine holds "
                 f"{self.engine.weight_version}"
             )
         g = self.cfg.grpo.num_generations_per_prompt
-        groups = [self.engine.submit_all(*self._requests(p, weight_version, g)) for p in prompts]
-        pending = {rid: i for i, ids in enumerate(groups) for rid in ids}
+        requests = [self._requests(p, weight_version) for p in prompts]
+        ids = self.engine.submit_all(  # all validated before any is queued
+            [ids for ids, _ in requests for _ in range(g)],
+            [params for _, params in requests for _ in range(g)],
+            streams=list(range(g)) * len(prompts),
+        )
+        pending = {rid: i // g for i, rid in enumerate(ids)}
         done: dict[int, GenerationResult] = {}
         seconds = [0.0] * len(prompts)
         t0 = time.perf_counter()
-        while pending:
-            for r in self.engine.step():
-                i = pending.pop(r.request_id)
-                done[r.request_id] = r
-                seconds[i] = time.perf_counter() - t0  # the group's last result sets its time
-        generated = [([done[rid] for rid in ids], s) for ids, s in zip(groups, seconds)]
+        try:
+            while pending:
+                for r in self.engine.step():
+                    i = pending.pop(r.request_id)
+                    done[r.request_id] = r
+                    seconds[i] = time.perf_counter() - t0  # the group's last result sets its time
+        except BaseException as e:  # its requests may be left in the engine: no later call can trust it
+            self._broken = f"a generation step failed: {type(e).__name__}: {e}"
+            raise
+        generated = [([done[rid] for rid in ids[i * g : (i + 1) * g]], s) for i, s in enumerate(seconds)]
         return self._score_groups(prompts, generated, weight_version)
 
     def set_weights_blocking(self, version: int, weights: WeightsPayload) -> None:
@@ -525,7 +539,10 @@ def start_ray_workers(cfg: GRPOConfig, rollout: RolloutConfig) -> tuple[list[Ray
             f"the rollout actors did not start within rollout.start_timeout_s={rollout.start_timeout_s}s "
             "(not enough free CPUs/GPUs in the Ray cluster for rollout.num_cpus_per_worker?)"
         ) from None
-    workers = [RayRolloutWorker(a, name=n, loads_between_requests=True) for a, n in zip(actors, names)]
+    workers = [
+        RayRolloutWorker(a, name=n, loads_between_requests=True, serial_calls=True)
+        for a, n in zip(actors, names)
+    ]
     return workers, actors
 
 

@@ -70,7 +70,12 @@ class AsyncGRPOConfig(Config):
     selection: Selection = Field(
         "fresh_first", description="among eligible groups: smallest lag first, or largest; then oldest"
     )
-    max_in_flight_per_worker: int = Field(4, ge=1, description="concurrent requests per rollout worker")
+    max_in_flight_per_worker: int = Field(
+        4,
+        ge=1,
+        description="groups in flight per rollout worker (the groups of one call share the engine's "
+        "batch; a Ray rollout actor runs its calls one after another)",
+    )
     max_outstanding_groups: int | None = Field(
         None,
         ge=1,
@@ -89,7 +94,12 @@ class AsyncGRPOConfig(Config):
         600.0, gt=0, description="bound on generating one group (a call carrying k groups gets k times this)"
     )
     weight_sync_timeout_s: float = Field(300.0, gt=0, description="bound on one set_weights call")
-    trainer_timeout_s: float = Field(600.0, gt=0, description="bound on each trainer call")
+    trainer_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="bound on each trainer call (one that first waits for k calls the trainer has queued, "
+        "e.g. finish after k chunks still training, gets k+1 times this)",
+    )
     admission_timeout_s: float = Field(1800.0, gt=0, description="bound on waiting for the next group")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="bound on cancelling requests at the end")
     loss: ClippedPGConfig = Field(
@@ -283,9 +293,14 @@ class AsyncGRPOController:
 
     # ------------------------------------------------------------------ trainer side
 
+    def _trainer_bound(self) -> float:
+        """trainer_timeout_s for the call, plus as much for each call the trainer has queued before it
+        (`queued_calls`, optional: a trainer that trains groups while the controller goes on)."""
+        return self.cfg.trainer_timeout_s * (1 + getattr(self.trainer, "queued_calls", 0))
+
     async def _trainer_call(self, what: str, aw: Awaitable[Any]) -> Any:
         try:
-            return await bounded(aw, self.cfg.trainer_timeout_s, f"trainer {what}()")
+            return await bounded(aw, self._trainer_bound(), f"trainer {what}()")
         except WaitTimeout as e:
             raise TrainerError(f"{e} (trainer_timeout_s); the open step is aborted") from None
         except Exception as e:
@@ -340,7 +355,7 @@ class AsyncGRPOController:
         if not opened:
             return
         try:
-            await bounded(self.trainer.abort(), self.cfg.trainer_timeout_s, "trainer abort()")
+            await bounded(self.trainer.abort(), self._trainer_bound(), "trainer abort()")
         except Exception as e:
             raise TrainerError(
                 f"abort_train_step failed after a failed step ({type(e).__name__}: {e}); the trainer's state is "

@@ -191,6 +191,11 @@ class ChunkedTrainer(PolicyTrainer):
         self._pending: list[GroupSamples] = []  # groups of the next chunk
         self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
 
+    @property
+    def queued_calls(self) -> int:
+        """Chunks a finish or abort waits for first: those training or queued, and the pending one."""
+        return sum(not f.done() for f in self._queued) + bool(self._pending)
+
     def _train_chunk(self, groups: list[GroupSamples]) -> None:
         batch = groups_to_batch(groups, self.loop, self.pad_id)
         self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))

@@ -78,6 +78,8 @@ class RolloutWorker(Protocol):
     one: such a request must wait until that version is loaded (it may even arrive before the
     `set_weights` call) and fail (`RolloutFailure`) if the load fails. The new weights then travel
     while the last requests of the old version still run, and the next requests while they load.
+    A worker with `serial_calls = True` runs its calls one after another (a synchronous Ray actor): the
+    bound on a call then includes the calls sent to it before.
 
     A worker may also have `async generate_groups(prompts, weight_version) -> list[GroupResult]` (one
     result per prompt, in order; a group that fails alone is a result with `error` set, an exception

@@ -147,10 +147,13 @@ class RayRolloutWorker:
     before the actor's method runs.
     """
 
-    def __init__(self, actor: Any, name: str = "", loads_between_requests: bool = False) -> None:
+    def __init__(
+        self, actor: Any, name: str = "", loads_between_requests: bool = False, serial_calls: bool = False
+    ) -> None:
         self.actor = actor
         self.name = name or repr(actor)
         self.loads_between_requests = loads_between_requests  # true of the actor's set_weights
+        self.serial_calls = serial_calls  # a synchronous actor: a call waits for those sent before it
         if hasattr(actor, "generate_groups"):  # the controller batches only what the actor can take
             self.generate_groups = self._generate_groups
 

@@ -98,6 +98,7 @@ class FakeRolloutWorker:
         self.loading: int | None = None  # the version a set_weights in progress loads
         self.pushed_while_busy = 0  # set_weights calls that came while requests were in flight
         self.waited_for_load = 0  # requests that waited for their version to load
+        self.refused_stale = 0  # requests refused because a newer version was loading
 
     async def generate_group(self, prompt: dict[str, Any], weight_version: int) -> GroupResult:
         call = len(self.calls)  # taken before any await, so concurrent calls never share an index
@@ -105,8 +106,11 @@ class FakeRolloutWorker:
         self.calls.append((call, prompt_id, weight_version))
         if self.dead:
             raise WorkerLostError(f"{self.name} is dead")
-        if self.updating and weight_version != self.loading:
-            self.violations.append(f"call {call}: version {weight_version} sent while {self.loading} loads")
+        if self.updating and self.loading is not None and weight_version < self.loading:
+            # started after a newer set_weights (e.g. a call made just before the push): refused, as
+            # the real worker does; it never runs at weights other than its own
+            self.refused_stale += 1
+            raise RolloutFailure(f"{self.name}: version {weight_version} asked while {self.loading} loads")
         if self.loads_between_requests and weight_version > _held(self.version):
             self.waited_for_load += 1
             while weight_version > _held(self.version):  # a dry run: polling is fine

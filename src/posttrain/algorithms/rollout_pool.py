@@ -333,8 +333,11 @@ class RolloutPool:
         version = slot.request_version()
         assert version is not None
         prompts = [self.dataset[r.prompt_id] for r in reqs]
-        # a request sent while its weights load waits for them: the push's bound is added to its own
+        # the request may first wait for its weights to load, and, on a worker that runs its calls one
+        # at a time, for the requests in flight there: their bounds are added to its own
         extra = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
+        if getattr(slot.worker, "serial_calls", False):
+            extra += self.cfg.request_timeout_s * len(slot.in_flight)
         task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version, extra))
         for req in reqs:
             self.ledger.move(req.group_id, GroupState.IN_FLIGHT)

@@ -214,8 +214,13 @@ class GenerationEngine:
         )
 
     def _make_requests(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None,
+        streams: list[int] | None = None,
     ) -> list[Request]:
+        """Validated requests (nothing queued yet); request k draws from stream `streams[k]` (default k)
+        and reports prompt index `streams[k]`."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(
@@ -225,8 +230,12 @@ class GenerationEngine:
             plist = params
         else:
             plist = [params or SamplingParams()] * len(prompts)
+        if streams is None:
+            streams = list(range(len(prompts)))
+        elif len(streams) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(streams)} stream indices")
         checked: dict = {}
-        return [self._make_request(p, sp, i, i, checked) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        return [self._make_request(p, sp, k, k, checked) for p, sp, k in zip(prompts, plist, streams)]
 
     def submit(
         self,
@@ -242,12 +251,16 @@ class GenerationEngine:
         return req.request_id
 
     def submit_all(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        streams: list[int] | None = None,
     ) -> list[int]:
-        """Queue several requests as `generate` would (request k draws from stream k); returns their
-        ids, in prompt order. `step()` then hands out their results."""
+        """Queue several requests as `generate` would (request k draws from stream k, or from
+        `streams[k]`); returns their ids, in prompt order. All or none: every request is validated
+        before any is queued. `step()` then hands out their results."""
         self._check_can_run()  # before queueing anything
-        reqs = self._make_requests(prompts, params)
+        reqs = self._make_requests(prompts, params, streams)
         self._waiting.extend(reqs)
         return [r.request_id for r in reqs]
 
