@@ -239,6 +239,14 @@ class WeightsPayload:
         return _rebuild_payload, (self.version, packed, probe, self.temperature)
 
 
+def only_group(results: list[GroupResult]) -> GroupResult:
+    """The one group of a one-prompt `generate_groups` call; a failed group raises RolloutFailure."""
+    (result,) = results
+    if result.error is not None:
+        raise RolloutFailure(result.error)
+    return result
+
+
 def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
     """Seed of a group (sample k draws from the engine's stream k of it): the same prompt at the same
     weights draws the same completions."""
@@ -311,10 +319,7 @@ class EngineRolloutWorker:
     async def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
         """Generate and score the `num_generations_per_prompt` completions of `prompt`, and lay out
         their training rows."""
-        (result,) = await self.generate_groups([prompt], weight_version)
-        if result.error is not None:
-            raise RolloutFailure(result.error)
-        return result
+        return only_group(await self.generate_groups([prompt], weight_version))
 
     async def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         """`generate_group` for several prompts at once: all their completions enter the engine's
@@ -502,10 +507,7 @@ class EngineRolloutActor:
         return self.worker.name
 
     def generate_group(self, prompt: PromptItem, weight_version: int) -> GroupResult:
-        (result,) = self.worker.generate_groups_blocking([prompt], weight_version)
-        if result.error is not None:
-            raise RolloutFailure(result.error)
-        return result
+        return only_group(self.worker.generate_groups_blocking([prompt], weight_version))
 
     def generate_groups(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         return self.worker.generate_groups_blocking(prompts, weight_version)

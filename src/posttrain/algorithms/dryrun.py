@@ -94,8 +94,7 @@ class FakeRolloutWorker:
         self.violations: list[str] = []
         self.active = 0
         self.max_active = 0
-        self.updating = False  # in set_weights, waiting for the requests in flight
-        self.loading: int | None = None  # the version a set_weights in progress loads
+        self.loading: int | None = None  # the version a set_weights waiting for the requests in flight loads
         self.pushed_while_busy = 0  # set_weights calls that came while requests were in flight
         self.waited_for_load = 0  # requests that waited for their version to load
         self.refused_stale = 0  # requests refused because a newer version was loading
@@ -106,7 +105,7 @@ class FakeRolloutWorker:
         self.calls.append((call, prompt_id, weight_version))
         if self.dead:
             raise WorkerLostError(f"{self.name} is dead")
-        if self.updating and self.loading is not None and weight_version < self.loading:
+        if self.loading is not None and weight_version < self.loading:
             # started after a newer set_weights (e.g. a call made just before the push): refused, as
             # the real worker does; it never runs at weights other than its own
             self.refused_stale += 1
@@ -163,12 +162,12 @@ class FakeRolloutWorker:
     async def set_weights(self, version: int, weights: Any) -> None:
         if self.loads_between_requests:
             self.pushed_while_busy += bool(self.active)
-            self.updating, self.loading = True, version
+            self.loading = version
             try:
                 while self.active:  # a dry run: polling is fine
                     await asyncio.sleep(0.001)
             finally:
-                self.updating, self.loading = False, None
+                self.loading = None
         if self.active:
             self.violations.append(f"set_weights({version}) while {self.active} request(s) in flight")
         if self.dead or self.fail_set_weights:
