@@ -94,7 +94,7 @@ class FakeRolloutWorker:
         self.violations: list[str] = []
         self.active = 0
         self.max_active = 0
-        self.loading: int | None = None  # the version a set_weights waiting for the requests in flight loads
+        self.loading: int | None = None  # the version a set_weights in progress loads
         self.pushed_while_busy = 0  # set_weights calls that came while requests were in flight
         self.waited_for_load = 0  # requests that waited for their version to load
         self.refused_stale = 0  # requests refused because a newer version was loading
@@ -105,17 +105,18 @@ class FakeRolloutWorker:
         self.calls.append((call, prompt_id, weight_version))
         if self.dead:
             raise WorkerLostError(f"{self.name} is dead")
-        if self.loading is not None and weight_version < self.loading:
-            # started after a newer set_weights (e.g. a call made just before the push): refused, as
-            # the real worker does; it never runs at weights other than its own
-            self.refused_stale += 1
-            raise RolloutFailure(f"{self.name}: version {weight_version} asked while {self.loading} loads")
-        if self.loads_between_requests and weight_version > _held(self.version):
-            self.waited_for_load += 1
-            while weight_version > _held(self.version):  # a dry run: polling is fine
-                await asyncio.sleep(0.001)
-            if weight_version != self.version:  # a newer version loaded first (as the real worker does)
-                raise RolloutFailure(f"{self.name}: version {weight_version} was replaced before it ran")
+        if self.loads_between_requests:  # as the real worker: wait for a newer version, refuse an older one
+            waited = False
+            while not (self.loading is None and weight_version == self.version):
+                newest = max(_held(self.version), _held(self.loading))
+                if weight_version < newest:
+                    self.refused_stale += 1
+                    raise RolloutFailure(
+                        f"{self.name}: version {weight_version} asked, {newest} held or loading"
+                    )
+                self.waited_for_load += not waited
+                waited = True
+                await asyncio.sleep(0.001)  # a dry run: polling is fine
         if weight_version != self.version:
             self.violations.append(f"call {call}: asked for version {weight_version}, holds {self.version}")
         self.active += 1
@@ -162,21 +163,23 @@ class FakeRolloutWorker:
     async def set_weights(self, version: int, weights: Any) -> None:
         if self.loads_between_requests:
             self.pushed_while_busy += bool(self.active)
-            self.loading = version
-            try:
-                while self.active:  # a dry run: polling is fine
-                    await asyncio.sleep(0.001)
-            finally:
-                self.loading = None
-        if self.active:
-            self.violations.append(f"set_weights({version}) while {self.active} request(s) in flight")
-        if self.dead or self.fail_set_weights:
-            raise WorkerLostError(f"{self.name} could not load weights {version}")
-        if isinstance(weights, dict) and weights.get("version") != version:
-            self.violations.append(f"set_weights({version}) got weights of version {weights.get('version')}")
-        await asyncio.sleep(self.set_weights_latency)
-        self.version = version
-        self.weight_updates.append(version)
+            self.loading = version  # until loaded: calls for it wait, calls for older versions are refused
+        try:
+            while self.loads_between_requests and self.active:  # a dry run: polling is fine
+                await asyncio.sleep(0.001)
+            if self.active:
+                self.violations.append(f"set_weights({version}) while {self.active} request(s) in flight")
+            if self.dead or self.fail_set_weights:
+                raise WorkerLostError(f"{self.name} could not load weights {version}")
+            if isinstance(weights, dict) and weights.get("version") != version:
+                self.violations.append(
+                    f"set_weights({version}) got weights of version {weights.get('version')}"
+                )
+            await asyncio.sleep(self.set_weights_latency)
+            self.version = version
+            self.weight_updates.append(version)
+        finally:
+            self.loading = None
 
 
 @dataclass

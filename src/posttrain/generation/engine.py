@@ -281,17 +281,28 @@ class GenerationEngine:
             done, self._parked = self._parked, []
         return done + self._step_once()
 
-    def _step_once(self) -> list[GenerationResult]:
+    def _step_once(self, park: bool = False) -> list[GenerationResult]:
+        """One step. With `park` (the stepping thread), the results nobody awaits (of submit() or
+        generate() requests) are parked for step() in the same hold of the lock that finished them,
+        so a caller never sees the engine idle with their results in neither place."""
         with self._lock, torch.inference_mode():
             self._check_can_run()
             finished = self._admit()
             if self._active:
                 finished += self._decode()
-            return [r.result() for r in finished]
+            results = [r.result() for r in finished]
+            if park:
+                self._parked += [r for r in results if r.request_id not in self._async_ids]
+                results = [r for r in results if r.request_id in self._async_ids]
+            return results
 
     def iter_results(self) -> Iterator[GenerationResult]:
         """Step until nothing is left, yielding each result as it finishes."""
-        while self.has_unfinished() or self._parked:
+        while True:
+            with self._lock:  # a consistent view against a stepping thread that may be parking results
+                more = bool(self._waiting or self._active or self._parked)
+            if not more:
+                return
             yield from self.step()
 
     def generate(
@@ -635,13 +646,8 @@ class GenerationEngine:
                         self._stepping = False
                         return
                     loop = self._loop
-                results = self._step_once()
-                waited = [r for r in results if r.request_id in self._async_ids]
-                kept = [r for r in results if r.request_id not in self._async_ids]
+                waited = self._step_once(park=True)  # submit()/generate() results wait for step()
                 self._async_ids.difference_update(r.request_id for r in waited)
-                if kept:  # submit()/generate() requests: their results wait for step()
-                    with self._lock:
-                        self._parked += kept
                 if waited:
                     _post(loop, self._deliver, waited)
         except BaseException as e:  # hand the error to every waiter
