@@ -372,6 +372,16 @@ class EngineRolloutWorker:
         results = await self.engine.agenerate_all([ids] * g, params)
         return results, time.perf_counter() - t0
 
+    def _check_payload(self, version: int, weights: WeightsPayload) -> None:
+        if weights.version != version:
+            raise ValueError(
+                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
+            )
+
+    def _mark_broken(self, what: str, error: BaseException) -> None:
+        """After this, every call fails with WorkerLostError (`_check_not_broken`)."""
+        self._broken = f"{what}: {type(error).__name__}: {error}"
+
     def _check_not_broken(self) -> None:
         if self._broken is not None:  # the pool retires a lost worker and retries its groups elsewhere
             raise WorkerLostError(f"{self.name}: the engine is unusable after {self._broken}")
@@ -408,10 +418,7 @@ class EngineRolloutWorker:
         """Load `weights` once the generate calls in flight have finished (they keep their version),
         then check the engine's logprobs on the probe batch; calls for `version` that come meanwhile
         wait for both."""
-        if weights.version != version:
-            raise ValueError(
-                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
-            )
+        self._check_payload(version, weights)
         self._loading = version  # calls for it wait, calls for older versions fail, until the check
         try:
             while running := [t for t in self._running if not t.done()]:
@@ -421,7 +428,7 @@ class EngineRolloutWorker:
             seconds = time.perf_counter() - t0
             await asyncio.to_thread(self._check_loaded, weights, version, seconds)
         except Exception as e:  # a cancelled push is not a failed load: the controller pushes again
-            self._broken = f"loading weight version {version} failed: {type(e).__name__}: {e}"
+            self._mark_broken(f"loading weight version {version} failed", e)
             raise
         finally:
             self._loading = None
@@ -453,7 +460,7 @@ class EngineRolloutWorker:
         g = self.cfg.grpo.num_generations_per_prompt
         requests = [self._requests(p, weight_version) for p in prompts]
         ids = self.engine.submit_all(  # all validated before any is queued
-            [ids for ids, _ in requests for _ in range(g)],
+            [tokens for tokens, _ in requests for _ in range(g)],
             [params for _, params in requests for _ in range(g)],
             streams=list(range(g)) * len(prompts),
         )
@@ -468,23 +475,20 @@ class EngineRolloutWorker:
                     done[r.request_id] = r
                     seconds[i] = time.perf_counter() - t0  # the group's last result sets its time
         except BaseException as e:  # its requests may be left in the engine: no later call can trust it
-            self._broken = f"a generation step failed: {type(e).__name__}: {e}"
+            self._mark_broken("a generation step failed", e)
             raise
         generated = [([done[rid] for rid in ids[i * g : (i + 1) * g]], s) for i, s in enumerate(seconds)]
         return self._score_groups(prompts, generated, weight_version)
 
     def set_weights_blocking(self, version: int, weights: WeightsPayload) -> None:
         """`set_weights` in the calling thread, between calls (the engine is idle)."""
-        if weights.version != version:
-            raise ValueError(
-                f"{self.name}: asked to load version {version}, got a payload of {weights.version}"
-            )
+        self._check_payload(version, weights)
         try:
             t0 = time.perf_counter()
             self.engine.load_weights(weights.state, version)
             self._check_loaded(weights, version, time.perf_counter() - t0)
         except Exception as e:
-            self._broken = f"loading weight version {version} failed: {type(e).__name__}: {e}"
+            self._mark_broken(f"loading weight version {version} failed", e)
             raise
 
 
