@@ -10,7 +10,8 @@ thread does not help it: see RESULTS.md).
 Sizes are picked so that the synchronous loop spends about as long generating as training (the
 script prints its measured per-phase medians): a tiny Llama (hidden 64, 2 layers), 32 prompts x 8
 completions per step of 32 new tokens (a random model rarely stops early), an engine that decodes 64
-sequences at a time (four waves per step), training micro-batches of 32 rows, arithmetic prompts,
+sequences at a time (four waves per step; the asynchronous controller sends one wave per call and
+keeps a second call queued at the actor), training micro-batches of 32 rows, arithmetic prompts,
 rewards computed but (random model) all zero, which changes no timing. Timed: the training loop only
 (model, engine and actor start-up excluded for both, and so is the first weight load: the synchronous
 set-up syncs its engine, the asynchronous one pushes the policy's weights to its rollout actor); the
@@ -86,7 +87,10 @@ def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPO
                 "num_steps": steps,
                 "target_prompt_groups_per_step": PROMPTS,
                 "max_staleness": staleness,
-                "max_in_flight_per_worker": ENGINE_SEQS // GENERATIONS,  # groups the engine holds at once
+                # a call is one engine batch; a second call waits in the actor's queue (Ray runs a
+                # synchronous actor's calls in order), so the engine never idles for a round trip
+                "max_groups_per_call": ENGINE_SEQS // GENERATIONS,
+                "max_in_flight_per_worker": 2 * ENGINE_SEQS // GENERATIONS,
             },
             "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1},
             "checkpointing": {"enabled": False, "resume": "never"},
@@ -143,7 +147,7 @@ def time_async(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     run = setup(cfg)
     log = MetricsLogger(cfg.output_dir)
     # start-up of the rollout actor: one untimed wave pays its process's first-call costs
-    wave = [run.task.train.items[i] for i in range(cfg.async_grpo.max_in_flight_per_worker)]
+    wave = [run.task.train.items[i] for i in range(ENGINE_SEQS // GENERATIONS)]
     ray.get(run.actors[0].generate_groups.remote(wave, run.trainer.version), timeout=120)
 
     def actor_cpu() -> float:

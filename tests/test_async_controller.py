@@ -244,6 +244,20 @@ def test_a_batched_worker_gets_every_group_that_fits_in_one_call():
     check_ledger(ctrl, trainer)
 
 
+def test_max_groups_per_call_splits_a_workers_room_into_calls_that_run_together():
+    """With max_groups_per_call below max_in_flight_per_worker a worker gets several calls at once:
+    the next call is already there when one returns (a Ray actor then never idles for a round trip)."""
+    worker = FakeRolloutWorker("w0", batched=True, latency=0.02)
+    ctrl, trainer, _ = make(16, [worker], max_staleness=1, max_in_flight_per_worker=4, max_groups_per_call=2)
+    summary = bounded_run(ctrl.run())
+    assert summary.steps == 4 and summary.data_exhausted
+    assert set(worker.batch_sizes) == {2} and sum(worker.batch_sizes) == 16
+    assert worker.max_active == 4  # two calls of two groups in flight together
+    assert sorted(trained_prompts(trainer)) == list(range(16))
+    check_workers([worker])
+    check_ledger(ctrl, trainer)
+
+
 def test_a_failing_batched_call_counts_as_one_worker_error():
     """An unexplained error fails the call's groups (retried) but is one error of the worker, not one
     per group: with max_consecutive_worker_errors=2 one failed call of 4 groups keeps the worker."""

@@ -86,6 +86,8 @@ def test_config_validation_says_how_to_fix():
         ConfigError, match="max_outstanding_groups=2 is below target_prompt_groups_per_step=8"
     ):
         build_config(AsyncGRPOConfig, {"max_outstanding_groups": 2})
+    with pytest.raises(ConfigError, match="max_groups_per_call=5 is above max_in_flight_per_worker=4"):
+        build_config(AsyncGRPOConfig, {"max_groups_per_call": 5, "max_in_flight_per_worker": 4})
     cfg = AsyncGRPOConfig(max_staleness=2, target_prompt_groups_per_step=3)
     assert cfg.outstanding_cap == 9
     assert (

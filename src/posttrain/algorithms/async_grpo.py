@@ -76,6 +76,13 @@ class AsyncGRPOConfig(Config):
         description="groups in flight per rollout worker (the groups of one call share the engine's "
         "batch; a Ray rollout actor runs its calls one after another)",
     )
+    max_groups_per_call: int | None = Field(
+        None,
+        ge=1,
+        description="groups one generate call carries (default: all that fit in max_in_flight_per_worker); "
+        "half of max_in_flight_per_worker keeps a second call queued on a Ray rollout actor, which then "
+        "starts it as soon as the first returns instead of idling for a round trip",
+    )
     max_outstanding_groups: int | None = Field(
         None,
         ge=1,
@@ -116,6 +123,13 @@ class AsyncGRPOConfig(Config):
             raise ValueError(
                 f"max_outstanding_groups={cap} is below target_prompt_groups_per_step="
                 f"{self.target_prompt_groups_per_step}, so a step could never fill; raise it or leave it unset"
+            )
+        per_call = self.max_groups_per_call
+        if per_call is not None and per_call > self.max_in_flight_per_worker:
+            raise ValueError(
+                f"max_groups_per_call={per_call} is above max_in_flight_per_worker="
+                f"{self.max_in_flight_per_worker}, so a call could never carry that many; lower it or raise "
+                "max_in_flight_per_worker"
             )
         return self
 

@@ -304,6 +304,8 @@ class RolloutPool:
             room = self.cfg.outstanding_cap - len(self.in_flight) - self.held()
             room = -(-room // len(ready))  # an even share: one worker must not take all the work
             room = min(room, self.cfg.max_in_flight_per_worker - len(slot.in_flight))
+            if self.cfg.max_groups_per_call is not None:
+                room = min(room, self.cfg.max_groups_per_call)
             if getattr(slot.worker, "generate_groups", None) is None:
                 room = 1
             reqs = self._take_requests(room)
