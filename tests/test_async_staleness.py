@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from posttrain.algorithms.async_grpo import AsyncGRPOConfig
+from posttrain.algorithms.async_metrics import BusyMeter
 from posttrain.algorithms.async_types import WaitTimeout, bounded
 from posttrain.algorithms.rollout_pool import DataCursor
 from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger, StalenessSampler
@@ -77,6 +78,22 @@ def test_data_cursor_epochs_shuffle_and_state():
     resumed.load_state_dict(again.state_dict())
     assert [resumed.next() for _ in range(3)] == seen[7:]
     assert DataCursor(0, num_epochs=None, shuffle=False, seed=0).next() is None
+
+
+def test_busy_meter_counts_overlapping_jobs_once_and_reads_up_to_a_given_time():
+    now = [0.0]
+    meter = BusyMeter(lambda: now[0])
+    meter.start()
+    now[0] = 1.0
+    meter.start()  # a second job while the first runs: still one busy resource
+    now[0] = 2.0
+    meter.stop()
+    assert meter.total() == 2.0
+    assert meter.total(now=1.5) == 1.5  # a reading taken before: never more busy than alive
+    now[0] = 3.0
+    meter.stop()
+    now[0] = 5.0
+    assert meter.total() == 3.0 and meter.total(now=9.0) == 3.0  # idle since 3.0
 
 
 def test_config_validation_says_how_to_fix():

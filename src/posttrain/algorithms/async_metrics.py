@@ -35,8 +35,9 @@ class BusyMeter:
         if self._depth == 0:
             self._busy += self._clock() - self._since
 
-    def total(self) -> float:
-        extra = self._clock() - self._since if self._depth else 0.0
+    def total(self, now: float | None = None) -> float:
+        """Busy seconds so far (up to `now`, a reading of the same clock, when given)."""
+        extra = (self._clock() if now is None else now) - self._since if self._depth else 0.0
         return self._busy + extra
 
 
@@ -82,7 +83,7 @@ class StepMeter:
             "samples_per_s": samples / elapsed,
             "generated_samples_per_s": delta["generated_samples"] / elapsed,
             "trainer_idle_fraction": min(1.0, max(0.0, (self._idle_total() - self._window_idle) / elapsed)),
-            "generation_idle_fraction": 1.0 - busy / alive if alive > 0 else 1.0,
+            "generation_idle_fraction": min(1.0, max(0.0, 1.0 - busy / alive)) if alive > 0 else 1.0,
             "staleness/mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness/max": float(max(lags)) if lags else 0.0,
         }

@@ -219,7 +219,7 @@ class RolloutPool:
     def generation_time(self) -> tuple[float, float]:
         """(busy seconds, alive seconds) summed over all rollout workers so far."""
         now = time.monotonic()
-        busy = sum(s.meter.total() for s in self.slots)
+        busy = sum(s.meter.total(now) for s in self.slots)  # one clock reading: busy <= alive
         alive = sum((s.retired_at if s.retired_at is not None else now) - s.started_at for s in self.slots)
         return busy, alive
 
