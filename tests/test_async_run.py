@@ -608,6 +608,7 @@ def test_killing_a_rollout_actor_loses_no_sample(tmp_path, ray_session):
         "async_grpo.num_epochs=1",
         "async_grpo.max_staleness=100",  # nothing is dropped as stale: every prompt must be trained
         "async_grpo.max_in_flight_per_worker=2",
+        "async_grpo.max_groups_per_call=1",  # one call running, one queued behind it: both are lost
         "sampling.max_new_tokens=24",  # groups take long enough to be caught in flight
         "task.max_train_prompts=16",
         "grpo.val_period=0",
