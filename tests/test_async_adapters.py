@@ -213,9 +213,20 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
     workers = [RayRolloutWorker(a, name=f"r{i}") for i, a in enumerate(actors)]
     trainer = FakeTrainer(finish_latency=0.05)
 
-    def on_step(step, metrics):
-        if step == 1:
-            ray.kill(actors[0])
+    killed_in_flight: list[int] = []
+
+    async def on_step(step, metrics):
+        """Kill r0 after step 1 while it has groups in flight (on a loaded machine it may be between
+        calls at that moment: then wait for its next one, or the kill would go unnoticed)."""
+        if step != 1:
+            return
+        slot = ctrl.pool.slots[0]
+        for _ in range(1000):
+            if slot.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        killed_in_flight.extend(slot.in_flight)
+        ray.kill(actors[0])
 
     ctrl = AsyncGRPOController(
         cfg(target_prompt_groups_per_step=3, max_staleness=8, max_in_flight_per_worker=2),
@@ -228,6 +239,7 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
     summary = bounded_run(ctrl.run(on_step=on_step))
     assert time.monotonic() - start < 45
     assert sorted(b.prompt_id for s in trainer.steps for b in s) == list(range(18))
+    assert killed_in_flight  # r0 died with work in flight
     assert list(summary.dead_workers) == [0] and "Ray actor is gone" in summary.dead_workers[0]
     assert summary.totals["retried"] >= 2  # prompt 5 once, and what r0 had in flight
     for a in actors[1:]:
