@@ -2,7 +2,9 @@
 
 One request per prompt group. Requests go out as asyncio tasks bounded by `request_timeout_s`: one
 call per group, or, to a worker with `generate_groups`, one call for all the groups that fit at that
-moment (they then enter the engine's batch together instead of one Ray round trip apart). A call's
+moment, up to `max_groups_per_call` (they then enter the engine's batch together instead of one Ray
+round trip apart; with room for more than one call, the next one is already queued at a worker that
+runs its calls one at a time when the current one returns). A call's
 completion callback hands the finished groups to the controller and sends out more work. Work goes
 only to a worker that holds the latest published weights and has room (`max_in_flight_per_worker`
 groups), and only while the groups in flight plus those held by the controller stay under the
