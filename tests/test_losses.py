@@ -114,12 +114,12 @@ def test_disable_ppo_ratio_and_force_on_policy():
     lp = lp.clone().requires_grad_(True)
     loss, _ = call(ClippedPGLoss(disable_ppo_ratio=True), lp, batch)
     expected = (-batch["advantages"] * lp * mask).sum() / mask.sum()
-    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     loss_on, _ = call(ClippedPGLoss(force_on_policy_ratio=True), lp, batch)
     (grad,) = torch.autograd.grad(loss_on, lp)
     # ratio is 1 in value, its gradient is d lp: the on-policy policy gradient -A / N
     torch.testing.assert_close(grad, -batch["advantages"] * mask / mask.sum())
-    assert float(loss_on) == pytest.approx(float((-batch["advantages"] * mask).sum() / mask.sum()), rel=1e-6)
+    assert loss_on.item() == pytest.approx(float((-batch["advantages"] * mask).sum() / mask.sum()), rel=1e-6)
 
 
 @pytest.mark.parametrize(
