@@ -315,18 +315,16 @@ class GenerationEngine:
                 "generate() called while asynchronous requests are pending; await them first "
                 "(or use agenerate()/astream() for these prompts too)"
             )
-        self._check_can_run()  # before queueing anything
-        reqs = self._make_requests(prompts, params)
-        self._waiting.extend(reqs)
-        wanted = {r.request_id for r in reqs}
+        ids = self.submit_all(prompts, params)
+        wanted = set(ids)
         got: dict[int, GenerationResult] = {}
-        while len(got) < len(reqs):
+        while len(got) < len(ids):
             for res in self.step():
                 if res.request_id in wanted:
                     got[res.request_id] = res
                 else:
                     self._parked.append(res)
-        return [got[r.request_id] for r in reqs]
+        return [got[i] for i in ids]
 
     def _check_can_run(self) -> None:
         if self._sleeping:
