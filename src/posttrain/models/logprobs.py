@@ -10,20 +10,40 @@ gradients from all rows of a group flow into their one prefix) and its own. Call
 position ids and 4-D masks, so transformers builds no mask and reads no cache state; the two-call
 plan needs the `past_key_values.update(...)` protocol (Llama, Qwen2, Mistral-style attention), as
 the generation engine does.
+
+Model parallelism: logits from a tensor-parallel lm_head arrive as a DTensor sharded on the
+vocabulary and go through models/vocab_parallel.py (no rank ever holds [.., V]). A `SequenceSplit`
+(sequence or context parallelism) pads each call's sequence to the multiple the layout needs; under
+context parallelism each rank runs its share of the tokens (models/context_parallel.py) and the
+per-token results are all-gathered, which is all the loss needs ([b, t] floats). Shared-prefix plans
+are not used under a sequence split (the worker turns them off).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix
+from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix, block_causal_mask
+from posttrain.models.context_parallel import ContextParallel
+from posttrain.models.vocab_parallel import VocabShard, token_logprobs
+
+__all__ = ["SequenceSplit", "microbatch_logprobs", "microbatch_topk", "token_logprobs"]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logprob of `targets[..., i]` under `logits[..., i, :]`, computed in fp32 without a full log-softmax copy."""
-    logits = logits.float()
-    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How the sequence dim of a model call is laid out over ranks: padded to a multiple of `multiple`
+    (sequence parallel: tp; context parallel: 2*cp*tp) and, with `cp_mesh`, split over its ranks."""
+
+    multiple: int = 1
+    cp_mesh: Any = None  # a 1-D DeviceMesh; its group is read per call (communicators can be rebuilt)
+
+    @property
+    def active(self) -> bool:
+        return self.multiple > 1 or self.cp_mesh is not None
 
 
 def _shifted(values: torch.Tensor) -> torch.Tensor:
@@ -32,7 +52,8 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 
 
 def model_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """Raw logits of the model on a micro-batch: [b, t, V] padded, or [1, L, V] for a packed row."""
+    """Raw logits of the model on a micro-batch: [b, t, V] padded, or [1, L, V] for a packed row (a
+    vocab-sharded DTensor under tensor parallelism)."""
     if mb.packed is not None:
         p = mb.packed
         out = model(
@@ -45,6 +66,50 @@ def model_logits(model, mb: MicroBatch) -> torch.Tensor:
     # Rows are right-padded and attention is causal, so no real token ever sees padding: no mask is
     # needed, and without one transformers builds none and sdpa takes its causal fast path.
     return model(input_ids=mb.data["input_ids"], use_cache=False).logits
+
+
+def _segments(lengths: list[int], total: int, device: torch.device) -> torch.Tensor:
+    """[1, total] sequence number of each token of a packed row; padding: its own negative number."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pad = -1 - torch.arange(total - seg.numel())
+    return torch.cat([seg, pad])[None].to(device)
+
+
+def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The model on a micro-batch whose sequence is padded to `split.multiple` (and, under context
+    parallelism, cut over the ranks). Returns (this rank's logits [b, q, V(/tp)], next-token targets
+    [b, q] of those positions, the ContextParallel layout or None)."""
+    ids = mb.packed.input_ids if mb.packed is not None else mb.data["input_ids"]
+    b, t = ids.shape
+    total = -(-t // split.multiple) * split.multiple
+    ids = torch.nn.functional.pad(ids, (0, total - t))
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    if mb.packed is not None:
+        positions = torch.nn.functional.pad(mb.packed.position_ids, (0, total - t))
+    else:
+        positions = torch.arange(total, device=ids.device)[None].expand(b, total)
+    if split.cp_mesh is None:  # sequence parallel: the whole row, padded
+        mask = None
+        if mb.packed is not None:
+            mask = block_causal_mask(mb.packed.lengths, total).to(ids.device)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
+        return out.logits, targets, None
+    segments = _segments(mb.packed.lengths, total, ids.device) if mb.packed is not None else None
+    cp = ContextParallel.build(split.cp_mesh.get_group(), total, segments, ids.device)
+    local = cp.local
+    out = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False, posttrain_cp=cp)
+    return out.logits, targets[:, local], cp
+
+
+def _split_next_token(model, mb: MicroBatch, split: SequenceSplit, temperature: float) -> torch.Tensor:
+    """[b or 1, t] logprob of token i+1 given tokens <= i, for every position i of the call."""
+    logits, targets, cp = _split_call(model, mb, split)
+    local, shard = VocabShard.of(logits)
+    lp = _lp(_scaled(local, temperature), shard, targets)
+    if cp is not None:
+        lp = cp.gather(lp)
+    ids = mb.packed.input_ids if mb.packed is not None else mb.data["input_ids"]
+    return lp[:, : ids.shape[1]]
 
 
 def _unpack(mb: MicroBatch, packed_values: torch.Tensor, t: int) -> torch.Tensor:
@@ -101,6 +166,11 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature if temperature != 1.0 else logits
 
 
+def _lp(local: torch.Tensor, shard: VocabShard, targets: torch.Tensor) -> torch.Tensor:
+    local = local.float()
+    return shard.pick(local, targets) - shard.logsumexp(local)
+
+
 def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> torch.Tensor:
     """Logprobs [b, t] of a micro-batch run as distinct prefixes + per-row suffixes."""
     pre, suf = plan.prefix_ids, plan.suffix_ids
@@ -130,10 +200,11 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
         past_key_values=kv,
         use_cache=True,
     ).logits
+    (logits_p, shard), (logits_s, _) = VocabShard.of(logits_p), VocabShard.of(logits_s)
     logits_p, logits_s = _scaled(logits_p, temperature), _scaled(logits_s, temperature)
-    lp_prefix = token_logprobs(logits_p[:, :-1], pre[:, 1:])  # [u, p-1]
-    lp_boundary = token_logprobs(logits_p[plan.row_prefix, plan.split - 1], suf[:, 0])  # [b]
-    lp_suffix = token_logprobs(logits_s[:, :-1], suf[:, 1:])  # [b, s-1]
+    lp_prefix = _lp(logits_p[:, :-1], shard, pre[:, 1:])  # [u, p-1]
+    lp_boundary = _lp(logits_p[plan.row_prefix, plan.split - 1], shard, suf[:, 0])  # [b]
+    lp_suffix = _lp(logits_s[:, :-1], shard, suf[:, 1:])  # [b, s-1]
     flat = torch.cat([lp_boundary.new_zeros(1), lp_prefix.reshape(-1), lp_boundary, lp_suffix.reshape(-1)])
     return flat[plan.gather_index]
 
@@ -147,46 +218,52 @@ def _grouped_logprobs(model, plan: GroupedRows, temperature: float) -> torch.Ten
         attention_mask=_mask(model, plan.attention_mask),
         use_cache=False,
     ).logits
+    logits, shard = VocabShard.of(logits)
     logits = _scaled(logits, temperature).float()
     rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-    picked = logits[rows, plan.prev, ids]  # [r, l]: token j under the logits at prev[j]
-    lp = picked - torch.logsumexp(logits, dim=-1).gather(1, plan.prev)
+    local_ids, owned = shard.localize(ids)
+    picked = shard.owned_sum(logits[rows, plan.prev, local_ids], owned)  # [r, l]: token j at prev[j]
+    lp = picked - shard.logsumexp(logits).gather(1, plan.prev)
     return torch.cat([lp.new_zeros(1), lp.reshape(-1)])[plan.gather_index]
 
 
-def microbatch_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+def microbatch_logprobs(
+    model, mb: MicroBatch, temperature: float = 1.0, split: SequenceSplit | None = None
+) -> torch.Tensor:
     """Per-token logprobs [b, t] of a micro-batch (see module docstring for the convention)."""
+    ids = mb.data["input_ids"]
+    t = ids.shape[1]
+    valid = torch.arange(t, device=ids.device)[None, :] < mb.data["input_lengths"][:, None]
+    if split is not None and split.active:
+        lp = _shifted(_split_next_token(model, mb, split, temperature)[:, :-1])
+        if mb.packed is not None:
+            lp = _unpack_sequences(mb, lp[0], t)
+        return lp * valid
     if isinstance(mb.shared, GroupedRows):
         return _grouped_logprobs(model, mb.shared, temperature)
     if isinstance(mb.shared, SharedPrefix):
         return _shared_prefix_logprobs(model, mb.shared, temperature)
-    logits = model_logits(model, mb)
-    if temperature != 1.0:
-        logits = logits / temperature
-    ids = mb.data["input_ids"]
-    t = ids.shape[1]
+    logits, shard = VocabShard.of(model_logits(model, mb))
+    logits = _scaled(logits, temperature)
     if mb.packed is not None:
         row = mb.packed.input_ids
-        lp = _shifted(token_logprobs(logits[:, :-1], row[:, 1:]))[0]
-        # the first token of each sequence must not see the previous sequence's last logit
-        lp = lp.clone()
-        for off in mb.packed.offsets:
-            lp[off] = 0.0
-        out = _unpack(mb, lp, t)
+        out = _unpack_sequences(mb, _shifted(_lp(logits[:, :-1], shard, row[:, 1:]))[0], t)
     else:
-        out = _shifted(token_logprobs(logits[:, :-1], ids[:, 1:]))
-    valid = torch.arange(t, device=ids.device)[None, :] < mb.data["input_lengths"][:, None]
+        out = _shifted(_lp(logits[:, :-1], shard, ids[:, 1:]))
     return out * valid
 
 
-def microbatch_topk(
-    model, mb: MicroBatch, k: int, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k logits and their token ids [b, t, k] of the distribution over token i (position 0 zeros)."""
-    logits = model_logits(model, mb).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    vals, idx = torch.topk(logits[:, :-1], k, dim=-1)
+def _unpack_sequences(mb: MicroBatch, lp: torch.Tensor, t: int) -> torch.Tensor:
+    """A packed row's shifted logprobs [L] as [b, t]; the first token of each sequence gets 0 (it must
+    not be scored by the previous sequence's last logit)."""
+    lp = lp.clone()
+    for off in mb.packed.offsets:
+        lp[off] = 0.0
+    return _unpack(mb, lp, t)
+
+
+def _topk_rows(vals: torch.Tensor, idx: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the next token at every position [b or 1, L, k] -> shifted, unpacked [b, t, k]."""
     vals = torch.nn.functional.pad(vals, (0, 0, 1, 0))
     idx = torch.nn.functional.pad(idx, (0, 0, 1, 0))
     if mb.packed is None:
@@ -199,3 +276,25 @@ def microbatch_topk(
         out_v.append(torch.nn.functional.pad(v, (0, 0, 0, t - n)))
         out_i.append(torch.nn.functional.pad(i, (0, 0, 0, t - n)))
     return torch.stack(out_v), torch.stack(out_i)
+
+
+def microbatch_topk(
+    model, mb: MicroBatch, k: int, temperature: float = 1.0, split: SequenceSplit | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k logits and their token ids [b, t, k] of the distribution over token i (position 0 and
+    padding: zeros)."""
+    ids = mb.packed.input_ids if mb.packed is not None else mb.data["input_ids"]
+    cp = None
+    if split is not None and split.active:
+        logits, _, cp = _split_call(model, mb, split)
+    else:
+        logits = model_logits(model, mb)
+    logits, shard = VocabShard.of(logits)
+    vals, idx = shard.topk(_scaled(logits.float(), temperature), k)
+    if cp is not None:
+        vals, idx = cp.gather(vals), cp.gather(idx)
+    width = ids.shape[1]
+    vals, idx = _topk_rows(vals[:, : width - 1], idx[:, : width - 1], mb)
+    t = mb.data["input_ids"].shape[1]
+    valid = (torch.arange(t, device=vals.device)[None, :] < mb.data["input_lengths"][:, None])[..., None]
+    return vals * valid, idx * valid

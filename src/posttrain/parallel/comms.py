@@ -239,11 +239,13 @@ def fsdp_states(model: torch.nn.Module) -> list[Any]:
 
 def collect_groups(
     models: torch.nn.Module | Sequence[torch.nn.Module] | None,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | Sequence[DeviceMesh] | None = None,
     device_type: str | None = None,
 ) -> CommsSnapshot:
-    """Every device process group that `mesh` and `models` hold, and every reference to it (no side
-    effects). The order is deterministic, so ranks with the same layout list their groups alike.
+    """Every device process group that `mesh` (one or several) and `models` hold, and every reference
+    to it (no side effects). The order is deterministic, so ranks with the same layout list their groups
+    alike. Pass every mesh object that code outside the model's parameters holds (tensor-parallel
+    hooks and context-parallel attention keep their own submesh objects), so each is re-bound.
 
     Pass every FSDP model of the process at once: torch's sharding-propagation cache hands a model the
     DTensor specs (hence the mesh) of an earlier model whose mesh compares equal, so models built in one
@@ -252,10 +254,12 @@ def collect_groups(
     if isinstance(models, torch.nn.Module):
         models = [models]
     models = list(models or [])
+    meshes = [mesh] if isinstance(mesh, DeviceMesh) else list(mesh or [])
     if device_type is None:
-        device_type = mesh.device_type if mesh is not None else _model_device_type(models)
+        device_type = meshes[0].device_type if meshes else _model_device_type(models)
     walker = _Walker(device_type)
-    walker.visit(mesh)
+    for m in meshes:
+        walker.visit(m)
     for model in models:
         for state in fsdp_states(model):
             walker.visit(state)

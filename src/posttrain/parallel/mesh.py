@@ -1,9 +1,17 @@
-"""Process groups, device meshes and FSDP2, as functions applied to modules (torchtitan style)."""
+"""Process groups, device meshes and FSDP2, as functions applied to modules (torchtitan style).
+
+The ranks form a (dp, cp, tp) mesh, row-major: rank = (d * cp + c) * tp + t. Ranks that share a dp
+index hold the same data (a data-parallel shard); cp splits its sequences, tp its weights. FSDP2
+shards parameters over the flattened (dp, cp) dimension; tensor parallelism (parallel/tensor_parallel.py)
+over tp. Every group is created here with `new_group` (never the default group), so parallel/comms.py
+can tear all of them down and rebuild them while the default group stays up as the rendezvous.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -57,6 +65,78 @@ def build_dp_mesh(device: torch.device) -> DeviceMesh:
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = dist.new_group(list(range(dist.get_world_size())), backend=backend, group_desc="dp")
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the (dp, cp, tp) mesh over `world` ranks."""
+
+    world: int
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world % (self.tp * self.cp):
+            per = self.tp * self.cp
+            valid = [n for n in range(per, 4 * per + 1, per)]
+            raise ValueError(
+                f"tensor_parallel_size={self.tp} x context_parallel_size={self.cp} = {per} does not divide "
+                f"the {self.world} ranks (cluster.num_workers); use a multiple of {per} ranks "
+                f"(e.g. {valid}), or sizes whose product divides {self.world}"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp)
+
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel shard that `rank` works on."""
+        return rank // (self.tp * self.cp)
+
+    def dp_leaders(self) -> list[int]:
+        """One rank per data-parallel shard (cp and tp index 0): whose results stand for the shard."""
+        return [d * self.tp * self.cp for d in range(self.dp)]
+
+
+@dataclass
+class Meshes:
+    """The meshes a worker's model is parallelized over. `fsdp` is 1-D (dp, or dp x cp flattened);
+    `tp`, `cp` and `dp` are set only when tp or cp > 1 (pure data parallelism uses `fsdp` alone)."""
+
+    fsdp: DeviceMesh
+    tp: DeviceMesh | None = None
+    cp: DeviceMesh | None = None
+    dp: DeviceMesh | None = None
+    root: DeviceMesh | None = None
+
+    def all(self) -> list[DeviceMesh]:
+        return [m for m in (self.root, self.fsdp, self.tp, self.cp, self.dp) if m is not None]
+
+
+def _groups_along(ranks: torch.Tensor, dim: int, backend: str, desc: str) -> dist.ProcessGroup:
+    """Create (world-collectively) every group along `dim` of the rank grid; return this rank's."""
+    mine = None
+    me = dist.get_rank()
+    for members in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+        group = dist.new_group(members, backend=backend, group_desc=desc)
+        if me in members:
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def build_mesh(device: torch.device, layout: Layout) -> Meshes:
+    """The meshes of `layout` over all ranks (collective: every rank calls it in the same order)."""
+    if layout.tp == 1 and layout.cp == 1:
+        return Meshes(fsdp=build_dp_mesh(device))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ranks = torch.arange(layout.world).view(layout.dp, layout.cp, layout.tp)
+    groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
+    root = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp"))
+    fsdp = root["dp", "cp"]._flatten("dp_cp", backend_override=backend)
+    tp = root["tp"] if layout.tp > 1 else None
+    cp = root["cp"] if layout.cp > 1 else None
+    return Meshes(fsdp=fsdp, tp=tp, cp=cp, dp=root["dp"], root=root)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -9,6 +10,7 @@ from pydantic import Field, model_validator
 from posttrain.config import Config
 from posttrain.models.hf import TinyModelConfig
 from posttrain.parallel.cluster import ClusterConfig
+from posttrain.parallel.mesh import Layout
 
 
 class ModelConfig(Config):
@@ -74,6 +76,24 @@ class ParallelConfig(Config):
         False, description="FSDP2 CPUOffloadPolicy (params/grads/optimizer on host)"
     )
     activation_checkpointing: bool = False
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks that split each weight (attention heads, MLP, vocabulary); must divide the "
+        "attention heads, KV heads and intermediate size",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="with tensor_parallel_size > 1: shard the activations between blocks (norms, "
+        "residuals) on the sequence over the tensor-parallel ranks",
+    )
+    context_parallel_size: int = Field(
+        1, ge=1, description="ranks that split each sequence (attention all-gathers keys/values)"
+    )
+
+    def layout(self, world: int) -> Layout:
+        """The (dp, cp, tp) sizes over `world` ranks (ValueError when tp x cp does not divide it)."""
+        return Layout(world, tp=self.tensor_parallel_size, cp=self.context_parallel_size)
 
 
 class PolicyConfig(Config):
@@ -108,9 +128,16 @@ class PolicyConfig(Config):
             raise ValueError(
                 f"cluster.num_workers={self.cluster.num_workers} needs cluster.backend='ray'; the local backend runs one rank"
             )
-        if self.train_global_batch_size % self.cluster.num_workers:
+        dp = self.parallel.layout(self.cluster.num_workers).dp
+        if self.train_global_batch_size % dp:
             raise ValueError(
-                f"train_global_batch_size={self.train_global_batch_size} is not divisible by "
-                f"cluster.num_workers={self.cluster.num_workers}; use a multiple of the number of ranks"
+                f"train_global_batch_size={self.train_global_batch_size} is not divisible by the "
+                f"{dp} data-parallel ranks (cluster.num_workers={self.cluster.num_workers} / "
+                f"(tensor_parallel_size x context_parallel_size)); use a multiple of {dp}"
+            )
+        if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
+            warnings.warn(
+                "parallel.sequence_parallel=true has no effect with tensor_parallel_size=1; ignored",
+                stacklevel=2,
             )
         return self

@@ -7,9 +7,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from posttrain.models.context_parallel import register_attention
 from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tiny_config
 from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.parallel import mesh as pmesh
+from posttrain.parallel.tensor_parallel import apply_tp
 from posttrain.policy.config import ModelConfig, PolicyConfig
 
 
@@ -38,19 +40,22 @@ def _retie(model) -> None:
 
 
 def build_policy_model(
-    cfg: PolicyConfig, tokenizer, device: torch.device, use_fsdp: bool, dtype: torch.dtype
+    cfg: PolicyConfig, tokenizer, device: torch.device, meshes: pmesh.Meshes | None, dtype: torch.dtype
 ):
-    """Full model on this device, or FSDP2-sharded with rank 0's weights broadcast into every shard."""
-    if not use_fsdp:
+    """Full model on this device (`meshes` None), or tensor-parallel (when `meshes.tp`) and FSDP2-sharded
+    with rank 0's weights broadcast into every shard."""
+    if meshes is None:
         model = load_full_model(cfg.model, tokenizer).to(device)
     else:
         rank = dist.get_rank()
         full = load_full_model(cfg.model, tokenizer) if rank == 0 else None
         config = full.config if full is not None else model_config(cfg.model, tokenizer)
+        attn = "sdpa" if meshes.cp is None else register_attention()
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        mesh = pmesh.build_dp_mesh(device)
-        pmesh.apply_fsdp(model, mesh, param_dtype=dtype, cpu_offload=cfg.parallel.fsdp_cpu_offload)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        if meshes.tp is not None:
+            apply_tp(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+        pmesh.apply_fsdp(model, meshes.fsdp, param_dtype=dtype, cpu_offload=cfg.parallel.fsdp_cpu_offload)
         model.to_empty(device="cpu" if cfg.parallel.fsdp_cpu_offload else device)
         _retie(model)
         full_sd = full.state_dict() if full is not None else {}

@@ -1,5 +1,8 @@
 """The driver side of the policy: shards batches over data-parallel ranks, calls every rank, gathers.
 
+Under tensor or context parallelism several ranks work on one data-parallel shard (parallel/mesh.py):
+each of them gets that shard, and the results of one rank per shard (its leader) are gathered.
+
 It tracks the same lifecycle as its workers, so a wrong call raises `PhaseError` on the driver before
 any rank is contacted. Each verb is dispatched to all ranks (that is what keeps their collectives
 matched); results come back from every rank and are merged here.
@@ -28,29 +31,34 @@ class Policy:
         self.cfg = cfg
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.world_size = cfg.cluster.num_workers
+        self.layout = cfg.parallel.layout(self.world_size)
         self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
         self._step_loss: LossFn | None = None
 
     # ------------------------------------------------------------------ sharding
 
+    def _per_rank(self, dp_shards: list[TensorDict]) -> list[tuple[TensorDict]]:
+        """Rank r's argument tuple: the shard of its data-parallel index."""
+        return [(dp_shards[self.layout.dp_index(r)],) for r in range(self.world_size)]
+
     def _shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
-        return [(s,) for s in shard_batch(batch, self.world_size)]
+        return self._per_rank(shard_batch(batch, self.layout.dp))
 
     def _uneven_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
         """Near-equal contiguous shards of any batch size; a rank left without rows gets one masked-out
         row, so it still takes part in the collectives and contributes nothing."""
-        b = batch.batch_size[0]
-        bounds = [round(r * b / self.world_size) for r in range(self.world_size + 1)]
+        b, dp = batch.batch_size[0], self.layout.dp
+        bounds = [round(r * b / dp) for r in range(dp + 1)]
         shards = []
         for lo, hi in zip(bounds, bounds[1:]):
             if hi > lo:
-                shards.append((batch[lo:hi],))
+                shards.append(batch[lo:hi])
             else:
                 filler = batch[:1].clone()
                 filler["sample_mask"] = torch.zeros_like(filler["sample_mask"])
                 filler["token_mask"] = torch.zeros_like(filler["token_mask"])
-                shards.append((filler,))
-        return shards
+                shards.append(filler)
+        return self._per_rank(shards)
 
     def _train_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
         """Rank r gets, for every global batch g in order, the r-th slice of g (so DP size never changes
@@ -62,11 +70,11 @@ class Policy:
                 f"batch of {b} samples is not a multiple of train_global_batch_size={gbs}; "
                 "send whole global batches (pad with sample_mask=0 rows if needed)"
             )
-        per_rank: list[list[TensorDict]] = [[] for _ in range(self.world_size)]
+        per_dp: list[list[TensorDict]] = [[] for _ in range(self.layout.dp)]
         for start in range(0, b, gbs):
-            for r, s in enumerate(shard_batch(batch[start : start + gbs], self.world_size)):
-                per_rank[r].append(s)
-        return [(parts[0] if len(parts) == 1 else torch.cat(parts),) for parts in per_rank]
+            for d, s in enumerate(shard_batch(batch[start : start + gbs], self.layout.dp)):
+                per_dp[d].append(s)
+        return self._per_rank([parts[0] if len(parts) == 1 else torch.cat(parts) for parts in per_dp])
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -149,6 +157,7 @@ class Policy:
     def _gather(self, method: str, batch: TensorDict, *args: Any) -> Any:
         validate_batch(batch, ("input_ids", "input_lengths"))
         results = self.group.run(method, *args, per_rank=self._shards(batch))
+        results = [results[r] for r in self.layout.dp_leaders()]
         if isinstance(results[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*results))
         return torch.cat(results)

@@ -1,7 +1,10 @@
 """One rank of the policy: a Hugging Face causal LM under FSDP2 (or plain, on one rank), its optimizer,
 its reference weights, and the verbs RL needs (train, split train step, logprobs, top-k, lifecycle).
 
-The same class serves every layout: it runs in-process (local backend) or inside a Ray actor.
+The same class serves every layout: it runs in-process (local backend) or inside a Ray actor, on a
+(dp, cp, tp) mesh (parallel/mesh.py). Ranks of one data-parallel shard (same dp index) get the same
+data, so counts and metrics are reduced over the dp group only; gradients are summed over (dp, cp) by
+FSDP2, and tensor-parallel ranks hold their own slices of each weight.
 Verbs declare the phases they accept (policy/lifecycle.py); the split-step rules are in
 policy/train_step.py.
 """
@@ -30,7 +33,12 @@ from posttrain.data.microbatch import (
 from posttrain.data.normalization import LossFn, finalize_metrics
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
-from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk, supports_shared_prefix
+from posttrain.models.logprobs import (
+    SequenceSplit,
+    microbatch_logprobs,
+    microbatch_topk,
+    supports_shared_prefix,
+)
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
 from posttrain.policy import offload
@@ -63,6 +71,7 @@ class PolicyWorker:
     ) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
+        self.layout = cfg.parallel.layout(world_size)
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.trainer_version = 0
         self._step: OpenStep | None = None
@@ -72,7 +81,9 @@ class PolicyWorker:
         self.dtype = DTYPES[cfg.precision]
         self.tokenizer = build_tokenizer(cfg.model)
         self._pad_id = self.tokenizer.pad_token_id or 0
-        self.model = build_policy_model(cfg, self.tokenizer, self.device, self.use_fsdp, self.dtype)
+        self.meshes = pmesh.build_mesh(self.device, self.layout) if self.use_fsdp else None
+        self.split = self._sequence_split()
+        self.model = build_policy_model(cfg, self.tokenizer, self.device, self.meshes, self.dtype)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference_weights = self._snapshot_weights() if cfg.init_reference_model else None
@@ -92,11 +103,21 @@ class PolicyWorker:
         elif self.use_fsdp:
             pmesh.ensure_single_process_group()
 
+    def _sequence_split(self) -> SequenceSplit:
+        """How model calls lay out the sequence: sequence parallel pads it to a multiple of tp; context
+        parallel splits it over the cp ranks in 2*cp chunks, each a multiple of tp under SP."""
+        par, layout = self.cfg.parallel, self.layout
+        sp = par.sequence_parallel and layout.tp > 1
+        multiple = (layout.tp if sp else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+        return SequenceSplit(multiple, self.meshes.cp if self.meshes is not None else None)
+
     # ------------------------------------------------------------------ helpers
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.world_size > 1 and t.numel() > 0:
-            dist.all_reduce(t, op=op)
+        """Reduce over the data-parallel ranks (the ranks of one dp shard hold the same values)."""
+        if self.layout.dp > 1 and t.numel() > 0:
+            group = self.meshes.dp.get_group() if self.meshes.dp is not None else None
+            dist.all_reduce(t, op=op, group=group)
         return t
 
     def _autocast(self):
@@ -113,7 +134,10 @@ class PolicyWorker:
             size=size,
             max_tokens=mb.max_tokens,
             pad_id=self._pad_id,
-            share_prefix=share_prefix and mb.share_prefix and supports_shared_prefix(self.model),
+            share_prefix=share_prefix
+            and mb.share_prefix
+            and not self.split.active
+            and supports_shared_prefix(self.model),
         )
 
     def _model_to_device(self) -> None:
@@ -132,7 +156,7 @@ class PolicyWorker:
         """Pad with dummy micro-batches up to the max count over ranks (see policy/train_step.py). If
         any rank runs a two-call `SharedPrefix` micro-batch, every micro-batch on every rank does, so
         the FSDP gathers of each model call line up."""
-        if self.world_size == 1:
+        if self.layout.dp == 1:
             return mbs
         two_calls = any(isinstance(mb.shared, SharedPrefix) for mb in mbs)
         agreed = torch.tensor([len(mbs), int(two_calls)], device=self.device)
@@ -244,7 +268,7 @@ class PolicyWorker:
         one = torch.ones((), device=self.device)
         grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
         with grad_ctx, self._autocast():
-            logprobs = microbatch_logprobs(self.model, mb, self.cfg.logprob_temperature)
+            logprobs = microbatch_logprobs(self.model, mb, self.cfg.logprob_temperature, self.split)
         loss, metrics = step.loss_fn(logprobs, mb.data, one, one)
         if mb.is_dummy:
             loss = loss * 0.0
@@ -325,7 +349,7 @@ class PolicyWorker:
     def train(self, batch: TensorDict, loss_fn: LossFn, eval_mode: bool = False) -> dict[str, float]:
         """One optimizer step per local global-batch slice of `batch`, each a begin/microbatch/finish."""
         validate_batch(batch, BASE_KEYS + tuple(loss_fn.required_keys))
-        local_gbs = self.cfg.train_global_batch_size // self.world_size
+        local_gbs = self.cfg.train_global_batch_size // self.layout.dp
         b = batch.batch_size[0]
         if b % local_gbs:
             raise ValueError(
@@ -379,7 +403,8 @@ class PolicyWorker:
         """[B, T] logprobs of each token given the previous ones (position 0 and padding: 0)."""
         temp = self.cfg.logprob_temperature
         return self._scatter(
-            batch, self._infer(batch, lambda mb: microbatch_logprobs(self.model, mb, temp).float())
+            batch,
+            self._infer(batch, lambda mb: microbatch_logprobs(self.model, mb, temp, self.split).float()),
         )
 
     @verb(*ON_DEVICE, collective=True)
@@ -396,7 +421,9 @@ class PolicyWorker:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         temp = self.cfg.logprob_temperature
-        parts = self._infer(batch, lambda mb: microbatch_topk(self.model, mb, k, temp), share_prefix=False)
+        parts = self._infer(
+            batch, lambda mb: microbatch_topk(self.model, mb, k, temp, self.split), share_prefix=False
+        )
         values = self._scatter(batch, [(mb, v.float()) for mb, (v, _) in parts])
         ids = self._scatter(batch, [(mb, i) for mb, (_, i) in parts])
         return values, ids
@@ -466,7 +493,11 @@ class PolicyWorker:
         and, on a GPU, device bytes used before/after. A failure names the group; call again to retry."""
         snap = self._comms_snapshot
         if snap is None:
-            snap = comms.collect_groups(self.model if self.use_fsdp else None, device_type=self.device.type)
+            snap = comms.collect_groups(
+                self.model if self.use_fsdp else None,
+                self.meshes.all() if self.meshes is not None else None,
+                device_type=self.device.type,
+            )
             self._comms_snapshot = snap
         self.lifecycle.comms_up = False
         return comms.teardown(snap)

@@ -1,0 +1,175 @@
+"""Tensor (and sequence) parallelism for Hugging Face decoders, as a function applied to the model.
+
+`apply_tp(model, tp_mesh, sequence_parallel)` shards, per decoder layer, q/k/v and gate/up
+column-wise (each rank owns whole attention heads and a slice of the MLP) and o/down row-wise (their
+outputs are summed over the group); the embedding row-wise over the vocabulary; and the lm_head
+column-wise with its output left sharded on the vocabulary, so logprobs are computed by
+models/vocab_parallel.py without gathering [.., V]. With `sequence_parallel`, the activations between
+those blocks (norms, residuals) are sharded on the sequence: all-gathered before attention and the MLP,
+reduce-scattered after.
+
+Every other parameter (norm weights, Qwen3's per-head q/k norms) becomes a DTensor replicated over the
+group, so that all parameters live on the same (dp_cp, tp) mesh once FSDP2 shards them (one grad norm,
+one checkpoint layout) and a gradient that each rank computed from a part of the input (sequence shards,
+its own heads) is summed over the group.
+
+Departures from HF's own `base_model_tp_plan`: our plans also shard the embedding and lm_head over the
+vocabulary and know sequence parallelism. A model type without a plan here falls back to its config's
+`base_model_tp_plan` when that uses only "colwise"/"rowwise" entries; otherwise it is refused.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from posttrain.parallel.mesh import decoder_layers
+
+# DTensor warns each time a (dp_cp, tp) grad-norm or full-tensor gather takes two collectives instead of
+# one over a flattened mesh: a few scalar all-reduces per step, not worth a log line per step per rank.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+class Replicated(ParallelStyle):
+    """Parameters replicated over the group; the input is taken as a DTensor with `input_layout` (its
+    rank-local part) and the output handed back as this rank's local tensor. A gradient computed from
+    sharded inputs is partial and summed over the group by FSDP2's reduction."""
+
+    def __init__(self, input_layout: Shard | Replicate | None = None) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        layout = self.input_layout
+
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [layout], run_check=False) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            )
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def check_tp_divides(config, tp: int) -> None:
+    """Raise ValueError naming the numbers and the valid sizes when `tp` does not divide the model."""
+    if tp == 1:
+        return
+    dims = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = {k: v for k, v in dims.items() if v % tp}
+    if bad:
+        g = math.gcd(*dims.values())
+        valid = [d for d in range(1, g + 1) if g % d == 0]
+        raise ValueError(
+            f"parallel.tensor_parallel_size={tp} does not divide "
+            + ", ".join(f"{k}={v}" for k, v in bad.items())
+            + f" of this model ({', '.join(f'{k}={v}' for k, v in dims.items())}); "
+            f"valid tensor_parallel_size values: {valid}"
+        )
+
+
+def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    attn_out = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=attn_out),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=attn_out),
+    }
+    if sequence_parallel:
+        plan["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+def _from_hf_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
+    """A decoder-layer plan from the config's `base_model_tp_plan` (colwise/rowwise entries only)."""
+    model_type = model.config.model_type
+    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    unknown = {k: v for k, v in hf_plan.items() if v not in styles}
+    if not hf_plan or unknown:
+        raise ValueError(
+            f"tensor parallelism has no plan for model type '{model_type}'"
+            + (f" (its base_model_tp_plan uses {sorted(set(unknown.values()))})" if unknown else "")
+            + f"; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}. Use tensor_parallel_size=1"
+        )
+    return {k: styles[v]() for k, v in hf_plan.items()}
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> torch.nn.Module:
+    """Shard `model` over `tp_mesh` in place (see the module docstring); returns it."""
+    model_type = getattr(model.config, "model_type", None)
+    known = model_type in SUPPORTED_MODEL_TYPES
+    if not known and sequence_parallel:
+        raise ValueError(
+            f"sequence parallelism has no plan for model type '{model_type}'; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Set parallel.sequence_parallel=false"
+        )
+    check_tp_divides(model.config, tp_mesh.size())
+    if not known:
+        parallelize_module(model.model, tp_mesh, _from_hf_plan(model))
+    else:
+        for layer in decoder_layers(model):
+            parallelize_module(layer, tp_mesh, _layer_plan(sequence_parallel))
+    embed_out = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out),
+            "lm_head": ColwiseParallel(
+                input_layouts=embed_out, output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
+    if getattr(model.config, "tie_word_embeddings", False):  # both are sharded on the vocabulary
+        model.lm_head.weight = model.get_input_embeddings().weight
+    _replicate_the_rest(model, tp_mesh, sequence_parallel)
+    return model
+
+
+def _replicate_the_rest(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Modules still holding plain parameters (norms) become replicated DTensor modules: inside attention
+    (Qwen3's per-head q/k norms) their input is this rank's heads [b, t, heads/tp, d]; elsewhere it is
+    the residual stream (sharded on the sequence under sequence parallelism)."""
+    for name, module in model.named_modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            if fnmatch.fnmatch(name, "*self_attn.*"):
+                style: ParallelStyle = Replicated(Shard(2))
+            elif sequence_parallel:
+                style = SequenceParallel(use_local_output=True)
+            else:
+                style = Replicated()
+            parallelize_module(module, tp_mesh, style)

@@ -1,0 +1,77 @@
+"""Run a function on N gloo ranks in spawned processes (for tests of the (dp, cp, tp) mesh on CPU).
+
+`run_ranks(world, fn, *args)` starts `world` processes, each calling `fn(rank, world, port, *args)`;
+it returns the per-rank results in rank order, or raises with the first failing rank's traceback.
+Every wait is bounded (`timeout_s`); on a timeout the processes are killed.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from posttrain.parallel.mesh import free_port
+
+_TESTS = str(Path(__file__).parent)
+
+
+def _entry(fn, rank: int, world: int, port: int, results, args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        value = fn(rank, world, port, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # bytes, not shared-memory handles that die with this process
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
+    """`fn(rank, world, port, *args)` on every rank (spawned processes); results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    old_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_TESTS, *sys.path, old_path] if p)
+    try:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        os.environ["PYTHONPATH"] = old_path
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout_s}s"
+                    ) from None
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
