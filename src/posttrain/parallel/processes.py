@@ -1,8 +1,11 @@
-"""Run a function on N gloo ranks in spawned processes (for tests of the (dp, cp, tp) mesh on CPU).
+"""Run a function on N local ranks in spawned processes, without Ray (tests and benchmarks of the
+(dp, cp, tp) mesh on one machine).
 
-`run_ranks(world, fn, *args)` starts `world` processes, each calling `fn(rank, world, port, *args)`;
-it returns the per-rank results in rank order, or raises with the first failing rank's traceback.
-Every wait is bounded (`timeout_s`); on a timeout the processes are killed.
+`run_ranks(world, fn, *args)` starts `world` processes, each calling `fn(rank, world, port, *args)`
+(a `PolicyWorker(cfg, rank, world, master_port=port)` joins them with torch.distributed); it returns
+the per-rank results in rank order, or raises with the first failing rank's traceback. `fn` must be
+importable by module name; the caller's `sys.path` is passed on. Every wait is bounded (`timeout_s`);
+on a timeout or a dead rank the processes are killed.
 """
 
 from __future__ import annotations
@@ -14,13 +17,10 @@ import queue
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
 from posttrain.parallel.mesh import free_port
-
-_TESTS = str(Path(__file__).parent)
 
 
 def _entry(fn, rank: int, world: int, port: int, results, args) -> None:
@@ -42,7 +42,7 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
     results = ctx.Queue()
     port = free_port()
     old_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_TESTS, *sys.path, old_path] if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, old_path] if p)
     try:
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)]
         for p in procs:
