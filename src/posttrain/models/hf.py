@@ -16,7 +16,7 @@ from transformers import (
 
 from posttrain.config import Config
 
-TinyFamily = Literal["llama", "qwen2"]
+TinyFamily = Literal["llama", "qwen2", "qwen3", "mistral", "gemma"]
 
 
 class TinyModelConfig(Config):

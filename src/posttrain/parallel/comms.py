@@ -325,6 +325,17 @@ def _stats(snap: CommsSnapshot, key: str, count: int, start: float, before: int 
     return out
 
 
+def _forget_cached_specs() -> None:
+    """Drop DTensor's sharding-propagation cache: it hands out output specs, hence meshes, of earlier
+    calls whose inputs compared equal, so a model built later in this process with an equal mesh would
+    get a mesh of ours and run on its torn-down groups."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
+
+
 def teardown(snap: CommsSnapshot) -> dict[str, Any]:
     """Destroy the groups of `snap` (idempotent). Returns groups_destroyed, seconds and, on a device,
     device_used_before_bytes / device_used_after_bytes / device_freed_bytes.
@@ -337,6 +348,7 @@ def teardown(snap: CommsSnapshot) -> dict[str, Any]:
     start = time.perf_counter()
     before = _device_used_bytes(snap.device_type)
     _detach(snap)
+    _forget_cached_specs()
     destroyed = 0
     for i in range(len(snap.live)):
         if snap.live[i] is None:

@@ -131,15 +131,15 @@ def _from_hf_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> torch.nn.Module:
     """Shard `model` over `tp_mesh` in place (see the module docstring); returns it."""
     model_type = getattr(model.config, "model_type", None)
-    known = model_type in SUPPORTED_MODEL_TYPES
-    if not known and sequence_parallel:
+    hf_plan = None if model_type in SUPPORTED_MODEL_TYPES else _from_hf_plan(model)
+    if hf_plan is not None and sequence_parallel:
         raise ValueError(
             f"sequence parallelism has no plan for model type '{model_type}'; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}. Set parallel.sequence_parallel=false"
         )
     check_tp_divides(model.config, tp_mesh.size())
-    if not known:
-        parallelize_module(model.model, tp_mesh, _from_hf_plan(model))
+    if hf_plan is not None:
+        parallelize_module(model.model, tp_mesh, hf_plan)
     else:
         for layer in decoder_layers(model):
             parallelize_module(layer, tp_mesh, _layer_plan(sequence_parallel))

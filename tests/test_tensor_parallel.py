@@ -1,0 +1,302 @@
+"""Tensor, sequence and context parallelism: every layout of the (dp, cp, tp) mesh takes the same
+optimizer step, and gives the same logprobs and top-k, as one rank (gloo ranks in spawned processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_batch
+from helpers import assert_params_close, policy_cfg
+from posttrain.data.batch import shard_batch
+from posttrain.parallel.mesh import Layout
+from posttrain.parallel.processes import run_ranks
+from posttrain.parallel.tensor_parallel import apply_tp, check_tp_divides
+from posttrain.policy.config import PolicyConfig
+from posttrain.policy.worker import PolicyWorker
+from test_invariance import LOSSES, SGD
+
+PADDED = {"train_micro_batch_size": 3, "logprob_micro_batch_size": 3}
+PACKED = {"mode": "packed", "max_tokens": 40}
+
+
+def _cfg(world: int, sc: dict) -> PolicyConfig:
+    extra = {k: v for k, v in sc.items() if k not in ("loss", "split_api", "name")}
+    extra.setdefault("optimizer", SGD)
+    return policy_cfg(cluster={"backend": "ray", "num_workers": world}, **extra)
+
+
+def _reference_cfg(sc: dict) -> PolicyConfig:
+    """The same step on one local rank: no parallel layout, default micro-batching."""
+    keep = {k: v for k, v in sc.items() if k in ("model", "optimizer")}
+    keep.setdefault("optimizer", SGD)
+    return policy_cfg(**keep)
+
+
+def _step(worker: PolicyWorker, batch, sc: dict) -> dict:
+    loss = LOSSES[sc.get("loss", "pg_token")]()
+    if not sc.get("split_api"):
+        return worker.train(batch, loss)
+    worker.begin_train_step(loss)
+    half = batch.batch_size[0] // 2
+    worker.train_microbatch(batch[:half])
+    worker.train_microbatch(batch[half:])
+    return worker.finish_train_step()
+
+
+def _outcome(worker: PolicyWorker, batch, metrics: dict) -> dict:
+    return {
+        "metrics": metrics,
+        "params": worker.full_state_dict(),
+        "logprobs": worker.get_logprobs(batch),
+        "topk": worker.get_topk_logits(batch, 3),
+    }
+
+
+def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict]) -> list[dict | None]:
+    """Every scenario on this rank: a fresh worker on the scenario's mesh, one step on its dp shard."""
+    out = []
+    for sc in scenarios:
+        worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
+        shard = shard_batch(random_batch(8, 16, rl=True), worker.layout.dp)[worker.layout.dp_index(rank)]
+        result = _outcome(worker, shard, _step(worker, shard, sc))
+        worker.teardown_comms()  # this scenario's groups are not needed again
+        out.append(result if rank == 0 else None)
+    return out
+
+
+def _reference(sc: dict) -> dict:
+    worker = PolicyWorker(_reference_cfg(sc))
+    batch = random_batch(8, 16, rl=True)
+    return _outcome(worker, batch, _step(worker, batch, {"loss": sc.get("loss", "pg_token")}))
+
+
+def assert_same_as_one_rank(ref: dict, got: dict, rows: int) -> None:
+    """Metrics and parameters within 1e-5 (fp32); logprobs and top-k on this rank's `rows` rows."""
+    for k in ("loss", "grad_norm", "global_valid_toks", "global_valid_seqs"):
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), k
+    assert_params_close(ref["params"], got["params"])
+    torch.testing.assert_close(got["logprobs"], ref["logprobs"][:rows], rtol=1e-5, atol=1e-5)
+    (v_ref, i_ref), (v, i) = ref["topk"], got["topk"]
+    torch.testing.assert_close(v, v_ref[:rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(i, i_ref[:rows])
+
+
+def _run_matrix(world: int, scenarios: list[dict], rows: int) -> None:
+    results = run_ranks(world, _scenarios_on_ranks, scenarios)[0]
+    refs: dict[str, dict] = {}
+    for sc, got in zip(scenarios, results):
+        key = repr(_reference_cfg(sc).model_dump()) + sc.get("loss", "pg_token")
+        if key not in refs:
+            refs[key] = _reference(sc)
+        try:
+            assert_same_as_one_rank(refs[key], got, rows)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {sc}: {e}") from e
+
+
+LAYOUTS_2 = {
+    "tp2": {"tensor_parallel_size": 2},
+    "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+    "cp2": {"context_parallel_size": 2},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_tp_sp_cp_match_one_rank():
+    """TP=2, TP=2+SP and CP=2, each for token- and sequence-level clipped PG and NLL, padded and packed."""
+    scenarios = [
+        {"parallel": par, "microbatch": mb, "loss": loss}
+        for par in LAYOUTS_2.values()
+        for loss in LOSSES
+        for mb in (PADDED, PACKED)
+    ]
+    _run_matrix(2, scenarios, rows=8)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_features_match_one_rank():
+    """What works on one rank works on the mesh: split step, dynamic batching, activation checkpointing,
+    FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral."""
+    tp2, sp, cp2 = LAYOUTS_2["tp2"], LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]
+    scenarios = [
+        {"parallel": tp2, "microbatch": PADDED, "split_api": True},
+        {"parallel": cp2, "microbatch": PACKED, "split_api": True, "loss": "pg_seq"},
+        {"parallel": sp, "microbatch": {"mode": "dynamic", "max_tokens": 40}},
+        {"parallel": cp2, "microbatch": {"mode": "dynamic", "max_tokens": 40}},
+        {"parallel": {**sp, "activation_checkpointing": True}, "microbatch": PACKED},
+        {"parallel": {**cp2, "activation_checkpointing": True}, "microbatch": PADDED},
+        {"parallel": {**tp2, "fsdp_cpu_offload": True}, "microbatch": PADDED},
+        {"parallel": sp, "microbatch": PADDED, "model": {"tiny": {"tie_word_embeddings": True}}},
+        {"parallel": sp, "microbatch": PACKED, "model": {"tiny": {"family": "qwen3"}}},
+        {"parallel": tp2, "microbatch": PADDED, "model": {"tiny": {"family": "gemma"}}},
+        {"parallel": cp2, "microbatch": PACKED, "model": {"tiny": {"family": "mistral"}}, "loss": "nll"},
+    ]
+    _run_matrix(2, scenarios, rows=8)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_four_ranks_dp2_tp2_and_cp2_tp2_match_one_rank():
+    scenarios = [
+        {"parallel": {"tensor_parallel_size": 2}, "microbatch": mb, "loss": loss}
+        for loss in LOSSES
+        for mb in (PADDED, PACKED)
+    ]
+    _run_matrix(4, scenarios, rows=4)
+    cp_tp = {"tensor_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True}
+    _run_matrix(4, [{"parallel": cp_tp, "microbatch": PACKED, "loss": "pg_seq"}], rows=8)
+
+
+# ------------------------------------------------------------------ checkpoints, export, sync, comms
+
+
+def _save_after_one_step(rank: int, world: int, port: int, par: dict, path: str) -> None:
+    sc = {"parallel": par, "optimizer": {"lr": 1e-2}}
+    worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
+    shard = shard_batch(random_batch(8, 16, rl=True), worker.layout.dp)[worker.layout.dp_index(rank)]
+    worker.train(shard, LOSSES["pg_token"]())
+    worker.save_checkpoint(path, {"step": 1})
+
+
+def _resume_and_step(rank: int, world: int, port: int, par: dict, path: str) -> dict | None:
+    sc = {"parallel": par, "optimizer": {"lr": 1e-2}}
+    worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
+    assert worker.load_checkpoint(path) == {"step": 1}
+    shard = shard_batch(random_batch(8, 16, rl=True, seed=1), worker.layout.dp)[worker.layout.dp_index(rank)]
+    metrics = worker.train(shard, LOSSES["pg_token"]())
+    params = worker.full_state_dict()
+    return {"metrics": metrics, "params": params} if rank == 0 else None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_across_a_mesh_change_is_exact(tmp_path):
+    """Adam state and weights saved on one mesh continue exactly on another: dp=2 -> tp=2 -> one rank."""
+    straight = PolicyWorker(policy_cfg())
+    straight.train(random_batch(8, 16, rl=True), LOSSES["pg_token"]())
+    m2 = straight.train(random_batch(8, 16, rl=True, seed=1), LOSSES["pg_token"]())
+    expected = {"metrics": m2, "params": straight.full_state_dict()}
+
+    dp2, tp2 = {}, {"tensor_parallel_size": 2}
+    run_ranks(2, _save_after_one_step, dp2, str(tmp_path / "dp2"))
+    run_ranks(2, _save_after_one_step, tp2, str(tmp_path / "tp2"))
+    for saved, par in (("dp2", tp2), ("tp2", dp2), ("tp2", tp2)):
+        got = run_ranks(2, _resume_and_step, par, str(tmp_path / saved))[0]
+        assert got["metrics"]["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+        assert_params_close(expected["params"], got["params"])
+    local = PolicyWorker(policy_cfg())
+    local.load_checkpoint(str(tmp_path / "tp2"))
+    m_local = local.train(random_batch(8, 16, rl=True, seed=1), LOSSES["pg_token"]())
+    assert m_local["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+    assert_params_close(expected["params"], local.full_state_dict())
+
+
+class _Collect:
+    """A weight-sync sink that keeps what rank 0 sends (full tensors assembled from the shards)."""
+
+    def __call__(self, weights, rank: int) -> dict:
+        got = {n: t.detach().cpu().clone() for n, t in weights}
+        return {"tensors": got if rank == 0 else {}}
+
+
+def _export_sync_comms(rank: int, world: int, port: int, par: dict, out_dir: str) -> dict | None:
+    worker = PolicyWorker(_cfg(world, {"parallel": par}), rank=rank, world_size=world, master_port=port)
+    batch = random_batch(8, 16, rl=True)
+    worker.train(batch, LOSSES["pg_token"]())
+    sent = worker.send_weights(_Collect(), version=1)["tensors"]
+    worker.save_hf(out_dir)
+    before = worker.get_logprobs(batch)
+    torn = worker.teardown_comms()
+    rebuilt = worker.rebuild_comms()
+    metrics = worker.train(batch, LOSSES["pg_token"]())
+    if rank:
+        return None
+    return {"sent": sent, "logprobs": before, "torn": torn, "rebuilt": rebuilt, "metrics": metrics}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]], ids=["tp2_sp", "cp2"])
+def test_export_weight_sync_and_comms_rebuild(par, tmp_path):
+    """HF export and weight sync send full tensors; communicators (every mesh group) come back after
+    teardown and the next step is the step of one rank."""
+    from posttrain.models.hf import load_model
+
+    got = run_ranks(2, _export_sync_comms, par, str(tmp_path / "hf"))[0]
+    ref = PolicyWorker(policy_cfg(optimizer=SGD))
+    batch = random_batch(8, 16, rl=True)
+    ref.train(batch, LOSSES["pg_token"]())
+    full = ref.full_state_dict()
+    assert_params_close(full, got["sent"])
+    exported = load_model(str(tmp_path / "hf")).state_dict()
+    assert_params_close({k: full[k] for k in exported}, exported)
+    torch.testing.assert_close(got["logprobs"], ref.get_logprobs(batch), rtol=1e-5, atol=1e-5)
+    assert got["torn"]["groups_destroyed"] >= 3 and got["rebuilt"]["groups_created"] >= 3
+    m2 = ref.train(batch, LOSSES["pg_token"]())
+    assert got["metrics"]["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_policy_on_ray_shards_by_data_parallel_index(ray_session):
+    """The driver sends each dp shard to all ranks of that shard and gathers one rank per shard."""
+    from posttrain.policy.policy import Policy
+
+    ref = _reference({})
+    policy = Policy(
+        policy_cfg(
+            optimizer=SGD,
+            parallel={"tensor_parallel_size": 2},
+            microbatch=PADDED,
+            cluster={"backend": "ray", "num_workers": 2},
+        )
+    )
+    try:
+        batch = random_batch(8, 16, rl=True)
+        got = _outcome(policy, batch, policy.train(batch, LOSSES["pg_token"]()))
+    finally:
+        policy.shutdown()
+    assert_same_as_one_rank(ref, got, rows=8)
+
+
+# ------------------------------------------------------------------ configuration errors
+
+
+def test_layout_sizes_and_errors():
+    layout = Layout(8, tp=2, cp=2)
+    assert (layout.dp, layout.dp_index(5), layout.dp_leaders()) == (2, 1, [0, 4])
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=4 x context_parallel_size=1 = 4 does not divide"
+    ):
+        Layout(6, tp=4)
+    with pytest.raises(ValueError, match="not divisible by the 2 data-parallel ranks"):
+        policy_cfg(
+            train_global_batch_size=3,
+            parallel={"tensor_parallel_size": 2},
+            cluster={"backend": "ray", "num_workers": 4},
+        )
+    with pytest.warns(UserWarning, match="sequence_parallel=true has no effect"):
+        policy_cfg(parallel={"sequence_parallel": True})
+
+
+def test_tp_that_does_not_divide_the_model_names_the_valid_sizes():
+    from posttrain.models.hf import tiny_config
+
+    config = tiny_config(79)  # 4 heads, 2 KV heads, intermediate 128
+    check_tp_divides(config, 2)
+    with pytest.raises(
+        ValueError, match=r"num_key_value_heads=2.*valid tensor_parallel_size values: \[1, 2\]"
+    ):
+        check_tp_divides(config, 4)
+
+
+def test_model_type_without_a_plan_lists_the_supported_ones():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="no plan for model type 'gpt2'.*supported model types: llama"):
+        apply_tp(model, tp_mesh=None)
