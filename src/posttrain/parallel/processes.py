@@ -24,8 +24,7 @@ from posttrain.parallel.mesh import free_port
 
 
 def _entry(fn, rank: int, world: int, port: int, results, args) -> None:
-    import torch
-
+    os.environ["LOCAL_RANK"] = str(rank)  # one GPU per rank where there are GPUs (as torchrun sets it)
     torch.set_num_threads(1)
     try:
         value = fn(rank, world, port, *args)
