@@ -146,6 +146,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller batch, fewer steps (under a minute)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps of each (default 10; quick: 4)")
     args = ap.parse_args()
+    if torch.cuda.is_available() and torch.cuda.device_count() < WORLD:
+        sys.exit(
+            f"needs {WORLD} GPUs (NCCL, one per rank) or none (CPU, gloo); found {torch.cuda.device_count()}"
+        )
     b, t, mbs = (8, 128, 4) if args.quick else (16, 256, 4)
     steps = args.steps or (4 if args.quick else 10)
 
