@@ -28,7 +28,7 @@ def _cfg(world: int, sc: dict) -> PolicyConfig:
 
 def _reference_cfg(sc: dict) -> PolicyConfig:
     """The same step on one local rank: no parallel layout, default micro-batching."""
-    keep = {k: v for k, v in sc.items() if k in ("model", "optimizer")}
+    keep = {k: v for k, v in sc.items() if k in ("model", "optimizer", "logprob_temperature")}
     keep.setdefault("optimizer", SGD)
     return policy_cfg(**keep)
 
@@ -49,6 +49,7 @@ def _outcome(worker: PolicyWorker, batch, metrics: dict) -> dict:
         "metrics": metrics,
         "params": worker.full_state_dict(),
         "logprobs": worker.get_logprobs(batch),
+        "reference_logprobs": worker.get_reference_policy_logprobs(batch),
         "topk": worker.get_topk_logits(batch, 3),
     }
 
@@ -76,7 +77,8 @@ def assert_same_as_one_rank(ref: dict, got: dict, rows: int, tol: float = 1e-5) 
     for k in ("loss", "grad_norm", "global_valid_toks", "global_valid_seqs"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=tol, abs=1e-7), k
     assert_params_close(ref["params"], got["params"], rtol=tol, atol=tol / 10)
-    torch.testing.assert_close(got["logprobs"], ref["logprobs"][:rows], rtol=tol, atol=tol)
+    for k in ("logprobs", "reference_logprobs"):
+        torch.testing.assert_close(got[k], ref[k][:rows], rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
     (v_ref, i_ref), (v, i) = ref["topk"], got["topk"]
     torch.testing.assert_close(v, v_ref[:rows], rtol=tol, atol=tol)
     assert torch.equal(i, i_ref[:rows])
@@ -119,7 +121,7 @@ def test_two_ranks_tp_sp_cp_match_one_rank():
 @pytest.mark.slow
 def test_two_ranks_features_match_one_rank():
     """What works on one rank works on the mesh: split step, dynamic batching, activation checkpointing,
-    FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral."""
+    FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral, temperature."""
     tp2, sp, cp2 = LAYOUTS_2["tp2"], LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]
     scenarios = [
         {"parallel": tp2, "microbatch": PADDED, "split_api": True},
@@ -133,6 +135,8 @@ def test_two_ranks_features_match_one_rank():
         {"parallel": sp, "microbatch": PACKED, "model": {"tiny": {"family": "qwen3"}}},
         {"parallel": tp2, "microbatch": PADDED, "model": {"tiny": {"family": "gemma"}}},
         {"parallel": cp2, "microbatch": PACKED, "model": {"tiny": {"family": "mistral"}}, "loss": "nll"},
+        {"parallel": sp, "microbatch": PACKED, "logprob_temperature": 0.7},
+        {"parallel": cp2, "microbatch": PADDED, "logprob_temperature": 0.7, "loss": "pg_seq"},
     ]
     _run_matrix(2, scenarios, rows=8)
 
@@ -296,6 +300,10 @@ def test_tp_that_does_not_divide_the_model_names_the_valid_sizes():
         ValueError, match=r"num_key_value_heads=2.*valid tensor_parallel_size values: \[1, 2\]"
     ):
         check_tp_divides(config, 4)
+    from posttrain.policy.policy import Policy
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide"):  # before any rank starts
+        Policy(policy_cfg(parallel={"tensor_parallel_size": 4}, cluster={"backend": "ray", "num_workers": 4}))
 
 
 def test_model_type_without_a_plan_lists_the_supported_ones():
@@ -305,3 +313,34 @@ def test_model_type_without_a_plan_lists_the_supported_ones():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="no plan for model type 'gpt2'.*supported model types: llama"):
         apply_tp(model, tp_mesh=None)
+
+
+def _tiny_phi(path) -> str:
+    """A tiny Phi model (a type without our own plan; its config has a colwise/rowwise tp plan)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "phi", vocab_size=79, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_model_type_with_only_an_hf_plan_uses_it(tmp_path):
+    model = {"name": _tiny_phi(tmp_path / "phi"), "tokenizer": "tiny"}
+    scenarios = [
+        {"parallel": {"tensor_parallel_size": 2}, "microbatch": mb, "model": model} for mb in (PADDED, PACKED)
+    ]
+    _run_matrix(2, scenarios, rows=8)
+
+
+def test_sequence_parallel_needs_a_plan_of_ours(tmp_path):
+    from posttrain.models.hf import load_model
+
+    model = load_model(_tiny_phi(tmp_path / "phi"))
+    with pytest.raises(ValueError, match="sequence parallelism has no plan for model type 'phi'"):
+        apply_tp(model, tp_mesh=None, sequence_parallel=True)

@@ -255,7 +255,7 @@ def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
 
 def probe_sync(cfg: GRPOConfig, vocab_size: int) -> WeightSync:
     """The probe batch and its check, built identically on the trainer side and in every worker."""
-    return WeightSync(cfg.weight_sync, vocab_size, dp_size=cfg.policy.cluster.num_workers)
+    return WeightSync(cfg.weight_sync, vocab_size, dp_size=cfg.policy.dp_size)
 
 
 @dataclass

@@ -122,6 +122,11 @@ class PolicyConfig(Config):
         "logprob or training call (frees communicator memory while the engine generates)",
     )
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: cluster.num_workers / (tensor_parallel_size x context_parallel_size)."""
+        return self.parallel.layout(self.cluster.num_workers).dp
+
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
         if self.cluster.backend == "local" and self.cluster.num_workers != 1:
