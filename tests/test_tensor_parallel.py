@@ -18,6 +18,7 @@ from test_invariance import LOSSES, SGD
 
 PADDED = {"train_micro_batch_size": 3, "logprob_micro_batch_size": 3}
 PACKED = {"mode": "packed", "max_tokens": 40}
+WINDOWED = {"tiny": {"family": "mistral", "sliding_window": 5}}
 
 
 def _cfg(world: int, sc: dict) -> PolicyConfig:
@@ -121,7 +122,8 @@ def test_two_ranks_tp_sp_cp_match_one_rank():
 @pytest.mark.slow
 def test_two_ranks_features_match_one_rank():
     """What works on one rank works on the mesh: split step, dynamic batching, activation checkpointing,
-    FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral, temperature."""
+    FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral (with a sliding window
+    shorter than the rows), temperature."""
     tp2, sp, cp2 = LAYOUTS_2["tp2"], LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]
     scenarios = [
         {"parallel": tp2, "microbatch": PADDED, "split_api": True},
@@ -136,6 +138,9 @@ def test_two_ranks_features_match_one_rank():
         {"parallel": tp2, "microbatch": PADDED, "model": {"tiny": {"family": "gemma"}}},
         {"parallel": cp2, "microbatch": PACKED, "model": {"tiny": {"family": "mistral"}}, "loss": "nll"},
         {"parallel": sp, "microbatch": PACKED, "logprob_temperature": 0.7},
+        {"parallel": cp2, "microbatch": PADDED, "model": WINDOWED},
+        {"parallel": cp2, "microbatch": PACKED, "model": WINDOWED},
+        {"parallel": sp, "microbatch": PACKED, "model": WINDOWED},
         {"parallel": cp2, "microbatch": PADDED, "logprob_temperature": 0.7, "loss": "pg_seq"},
     ]
     _run_matrix(2, scenarios, rows=8)

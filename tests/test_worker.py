@@ -159,7 +159,9 @@ def test_batch_not_multiple_of_global_batch():
 
 
 def test_global_batch_not_divisible_over_ranks_is_a_config_error():
-    with pytest.raises(ValueError, match=r"not divisible by the 3 data-parallel ranks \(cluster.num_workers=3"):
+    with pytest.raises(
+        ValueError, match=r"not divisible by the 3 data-parallel ranks \(cluster.num_workers=3"
+    ):
         policy_cfg(cluster={"backend": "ray", "num_workers": 3})
 
 

@@ -94,10 +94,27 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def context_parallel_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, posttrain_cp=None, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    posttrain_cp=None,
+    **kwargs,
 ):
     """Attention of this rank's queries over the whole row's keys/values (the `AttentionInterface`
-    signature of transformers: [b, h, q, d] in, ([b, q, h, d], None) out)."""
+    signature of transformers: [b, h, q, d] in, ([b, q, h, d], None) out). A sliding window (Mistral)
+    narrows the mask: a key sits less than `sliding_window` tokens before its query, as in
+    transformers' masks."""
+    if softcap is not None:
+        raise ValueError(
+            "context parallelism does not implement attention logit soft-capping (Gemma2-style models); "
+            "use parallel.context_parallel_size=1"
+        )
     if posttrain_cp is None:
         raise RuntimeError(
             "a context-parallel model was called without its layout; call it through "
@@ -107,13 +124,12 @@ def context_parallel_attention(
     keys = _GatherSeq.apply(key, 2, cp.group, True)
     values = _GatherSeq.apply(value, 2, cp.group, True)
     groups = query.shape[1] // keys.shape[1]
+    keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+    mask = cp.mask
+    if sliding_window is not None:
+        mask = mask & (cp.local[:, None] - cp.order[None, :] < sliding_window)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        _repeat_kv(keys, groups),
-        _repeat_kv(values, groups),
-        attn_mask=cp.mask,
-        dropout_p=dropout,
-        scale=scaling,
+        query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from pydantic import Field
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -30,6 +31,9 @@ class TinyModelConfig(Config):
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
+    sliding_window: int | None = Field(
+        None, ge=1, description="attention window in tokens (Mistral/Qwen2-style models); None: full"
+    )
 
 
 def tiny_config(vocab_size: int, cfg: TinyModelConfig | None = None, **overrides) -> PretrainedConfig:
@@ -45,6 +49,7 @@ def tiny_config(vocab_size: int, cfg: TinyModelConfig | None = None, **overrides
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        **({"sliding_window": cfg.sliding_window} if cfg.sliding_window is not None else {}),
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

@@ -51,6 +51,32 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(values, (1, 0))
 
 
+def sliding_window(model) -> int | None:
+    """The attention window of a model that has one in any layer (Mistral; Qwen2 with
+    use_sliding_window), else None."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return window
+
+
+def _packed_mask(model, mask: torch.Tensor):
+    """The block-causal mask of a packed row as the model's layers need it: narrowed to the model's
+    sliding window (a packed row's token distance within a sequence is its position distance), and a
+    {layer type: mask} mapping when full and sliding layers alternate."""
+    window = sliding_window(model)
+    if window is None:
+        return mask
+    ar = torch.arange(mask.shape[-1], device=mask.device)
+    windowed = mask & (ar[:, None] - ar[None, :] < window)
+    types = getattr(model.config, "layer_types", None)
+    if types is not None and any(t != "sliding_attention" for t in types):
+        return {"full_attention": mask, "sliding_attention": windowed}
+    return windowed
+
+
 def model_logits(model, mb: MicroBatch) -> torch.Tensor:
     """Raw logits of the model on a micro-batch: [b, t, V] padded, or [1, L, V] for a packed row (a
     vocab-sharded DTensor under tensor parallelism)."""
@@ -59,7 +85,7 @@ def model_logits(model, mb: MicroBatch) -> torch.Tensor:
         out = model(
             input_ids=p.input_ids,
             position_ids=p.position_ids,
-            attention_mask=p.attention_mask,
+            attention_mask=_packed_mask(model, p.attention_mask),
             use_cache=False,
         )
         return out.logits
@@ -91,7 +117,7 @@ def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tens
     if split.cp_mesh is None:  # sequence parallel: the whole row, padded
         mask = None
         if mb.packed is not None:
-            mask = block_causal_mask(mb.packed.lengths, total).to(ids.device)
+            mask = _packed_mask(model, block_causal_mask(mb.packed.lengths, total).to(ids.device))
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.logits, targets, None
     segments = _segments(mb.packed.lengths, total, ids.device) if mb.packed is not None else None
@@ -148,8 +174,10 @@ SHARED_PREFIX_ATTENTION = ("sdpa", "eager")  # attention implementations that ta
 
 
 def supports_shared_prefix(model) -> bool:
-    """Whether `model` can run shared-prefix micro-batches (its attention takes explicit 4-D masks)."""
-    return getattr(model.config, "_attn_implementation", None) in SHARED_PREFIX_ATTENTION
+    """Whether `model` can run shared-prefix micro-batches (its attention takes explicit 4-D masks, and
+    has no sliding window, which those masks do not encode)."""
+    attn = getattr(model.config, "_attn_implementation", None)
+    return attn in SHARED_PREFIX_ATTENTION and sliding_window(model) is None
 
 
 def _mask(model, allowed: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from posttrain.parallel.mesh import decoder_layers
 # one over a flattened mesh: a few scalar all-reduces per step, not worth a log line per step per rank.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
 class Replicated(ParallelStyle):
