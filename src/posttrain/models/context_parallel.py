@@ -45,10 +45,12 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.scatter_sum:
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.n, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None
+        if not ctx.scatter_sum:
+            return grad.chunk(ctx.n, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None
+        stacked = grad.movedim(ctx.dim, 0).contiguous()  # rank r's slice is the r-th chunk of dim 0
+        mine = stacked.new_empty((stacked.shape[0] // ctx.n, *stacked.shape[1:]))
+        dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+        return mine.movedim(0, ctx.dim).contiguous(), None, None, None
 
 
 def zigzag_indices(total: int, cp: int, rank: int) -> torch.Tensor:

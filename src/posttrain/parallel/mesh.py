@@ -133,7 +133,10 @@ def build_mesh(device: torch.device, layout: Layout) -> Meshes:
     ranks = torch.arange(layout.world).view(layout.dp, layout.cp, layout.tp)
     groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
     root = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp"))
-    fsdp = root["dp", "cp"]._flatten("dp_cp", backend_override=backend)
+    try:  # its own groups, even where dp x cp spans the world (the default group is never torn down)
+        fsdp = root["dp", "cp"]._flatten("dp_cp", backend_override=backend)
+    except TypeError:  # torch without backend_override: the world-spanning case reuses the default group
+        fsdp = root["dp", "cp"]._flatten("dp_cp")
     tp = root["tp"] if layout.tp > 1 else None
     cp = root["cp"] if layout.cp > 1 else None
     return Meshes(fsdp=fsdp, tp=tp, cp=cp, dp=root["dp"], root=root)
