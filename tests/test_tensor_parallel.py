@@ -8,6 +8,7 @@ import torch
 
 from conftest import random_batch
 from helpers import assert_params_close, policy_cfg
+from posttrain.checkpoint import read_metadata
 from posttrain.data.batch import shard_batch
 from posttrain.parallel.mesh import Layout
 from posttrain.parallel.processes import run_ranks
@@ -197,6 +198,8 @@ def test_resume_across_a_mesh_change_is_exact(tmp_path):
     dp2, tp2 = {}, {"tensor_parallel_size": 2}
     run_ranks(2, _save_after_one_step, dp2, str(tmp_path / "dp2"))
     run_ranks(2, _save_after_one_step, tp2, str(tmp_path / "tp2"))
+    assert read_metadata(tmp_path / "tp2")["mesh"] == {"dp": 1, "cp": 1, "tp": 2}
+    assert read_metadata(tmp_path / "dp2")["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
     for saved, par in (("dp2", tp2), ("tp2", dp2), ("tp2", tp2)):
         got = run_ranks(2, _resume_and_step, par, str(tmp_path / saved))[0]
         assert got["metrics"]["loss"] == pytest.approx(m2["loss"], rel=1e-5)

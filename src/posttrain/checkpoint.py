@@ -8,7 +8,7 @@ FSDP2 or plain. Nothing is unpickled on load: tensors are safetensors, everythin
 
 Layout of a checkpoint directory::
 
-    metadata.json           format version, model fingerprint, trainer version, world size;
+    metadata.json           format version, model fingerprint, trainer version, world size and mesh;
                             written last, so its presence marks a complete checkpoint
     train_state.json        scheduler state and optimizer hyperparameters (JSON, not pickle)
     extra_state.json        the training loop's state
@@ -408,12 +408,15 @@ def _write_rank0_files(
         tokenizer.save_pretrained(hf_dir)
 
 
-def _metadata(state: TrainState, trainer_version: int, identity: dict[str, Any]) -> dict[str, Any]:
+def _metadata(
+    state: TrainState, trainer_version: int, identity: dict[str, Any], mesh: dict[str, int] | None
+) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "trainer_version": trainer_version,
         "world_size": _world_size(),
+        "mesh": mesh or {"dp": _world_size()},
         "has_reference": state.reference is not None,
         "torch_version": torch.__version__,
         "fingerprint": {"model": model_fingerprint(state.model), "config": identity},
@@ -429,11 +432,13 @@ def save_checkpoint(
     extra_state: dict[str, Any] | None = None,
     tokenizer: Any = None,
     config_yaml: str | None = None,
+    mesh: dict[str, int] | None = None,
 ) -> Path:
     """Write `state` to `path` atomically (collective: every rank calls it with the same arguments).
 
     `identity` holds the config pieces a resume must match (checked on load with the model fingerprint);
-    `extra_state` is any JSON-serializable dict, given back by `load_checkpoint`.
+    `extra_state` is any JSON-serializable dict, given back by `load_checkpoint`. `mesh` names the
+    parallel layout's sizes (e.g. {"dp": 1, "cp": 1, "tp": 2}); recorded, any mesh can load it.
     """
     final = Path(path).absolute()
     if final.exists() and not (final / METADATA_FILE).is_file() and any(final.iterdir()):
@@ -442,7 +447,7 @@ def save_checkpoint(
             "Pass a new directory (or an earlier checkpoint to overwrite)"
         )
     extra_json = _to_json(extra_state or {}, "extra_state")
-    meta_json = _to_json(_metadata(state, trainer_version, identity or {}), "identity")
+    meta_json = _to_json(_metadata(state, trainer_version, identity or {}, mesh), "identity")
     tmp = _shared_tmp_dir(final)
     try:
         _write_checkpoint(tmp, final, state, extra_json, meta_json, tokenizer, config_yaml)
@@ -516,7 +521,11 @@ def _restore_reference(state: TrainState, loaded: dict[str, torch.Tensor]) -> No
 
 
 def load_checkpoint(
-    path: str | Path, state: TrainState, *, identity: dict[str, Any] | None = None
+    path: str | Path,
+    state: TrainState,
+    *,
+    identity: dict[str, Any] | None = None,
+    mesh: dict[str, int] | None = None,
 ) -> CheckpointInfo:
     """Restore `state` in place from `path` (collective), after checking the checkpoint matches it."""
     root = Path(path).absolute()
@@ -549,8 +558,10 @@ def load_checkpoint(
     state.scheduler.load_state_dict(train_state["scheduler"])
     _load_rng(root / "rng", _rank())
     _barrier()
-    if meta["world_size"] != _world_size():
-        log.info("resharded checkpoint %s from %d to %d ranks", root, meta["world_size"], _world_size())
+    mesh = mesh or {"dp": _world_size()}
+    saved_mesh = meta.get("mesh", {"dp": meta["world_size"]})
+    if meta["world_size"] != _world_size() or saved_mesh != mesh:
+        log.info("resharded checkpoint %s from mesh %s to %s", root, saved_mesh, mesh)
     return CheckpointInfo(
         trainer_version=meta["trainer_version"],
         world_size=meta["world_size"],

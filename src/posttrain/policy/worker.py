@@ -460,6 +460,9 @@ class PolicyWorker:
             "init_reference_model": self.cfg.init_reference_model,
         }
 
+    def _mesh_sizes(self) -> dict[str, int]:
+        return {"dp": self.layout.dp, "cp": self.layout.cp, "tp": self.layout.tp}
+
     @verb(*ANY_PHASE, collective=True)
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
         """Model, optimizer, scheduler, RNG and reference weights to `path`, sharded and atomic (checkpoint.py)."""
@@ -471,13 +474,17 @@ class PolicyWorker:
             extra_state=extra_state,
             tokenizer=self.tokenizer,
             config_yaml=dump_config(self.cfg),
+            mesh=self._mesh_sizes(),
         )
 
     @verb(*ON_DEVICE, collective=True)
     def load_checkpoint(self, path: str) -> dict:
         """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state."""
         info = checkpoint.load_checkpoint(
-            path, self._checkpoint_state("load_checkpoint"), identity=self._checkpoint_identity()
+            path,
+            self._checkpoint_state("load_checkpoint"),
+            identity=self._checkpoint_identity(),
+            mesh=self._mesh_sizes(),
         )
         self.trainer_version = info.trainer_version
         if self.lifecycle.phase == Phase.INFERENCE:  # loading put the optimizer state next to the params
