@@ -81,8 +81,9 @@ class Layout:
             valid = [n for n in range(per, 4 * per + 1, per)]
             raise ValueError(
                 f"tensor_parallel_size={self.tp} x context_parallel_size={self.cp} = {per} does not divide "
-                f"the {self.world} ranks (cluster.num_workers); use a multiple of {per} ranks "
-                f"(e.g. {valid}), or sizes whose product divides {self.world}"
+                f"the {self.world} ranks (cluster.num_workers); run a multiple of {per} ranks "
+                f"(cluster.backend='ray', cluster.num_workers in {valid}, ...), or choose sizes whose "
+                f"product divides {self.world}"
             )
 
     @property
