@@ -3,12 +3,15 @@ optimizer step, and gives the same logprobs and top-k, as one rank (gloo ranks i
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from conftest import random_batch
 from helpers import assert_params_close, policy_cfg
 from posttrain.checkpoint import read_metadata
+from posttrain.data import microbatch
 from posttrain.data.batch import shard_batch
 from posttrain.parallel.mesh import Layout
 from posttrain.parallel.processes import run_ranks
@@ -20,10 +23,36 @@ from test_invariance import LOSSES, SGD
 PADDED = {"train_micro_batch_size": 3, "logprob_micro_batch_size": 3}
 PACKED = {"mode": "packed", "max_tokens": 40}
 WINDOWED = {"tiny": {"family": "mistral", "sliding_window": 5}}
+WINDOW_10 = {"tiny": {"family": "mistral", "sliding_window": 10}}  # between a row / tp and a row
+
+
+def _batch(sc: dict):
+    """The scenario's batch: random rows, or (`shared_prompts`) two groups of four rows that start with
+    the same 8-token prompt, so micro-batches take the shared-prefix plans."""
+    if not sc.get("shared_prompts"):
+        return random_batch(8, 16, rl=True)
+    batch = random_batch(8, 16, rl=True, prompt_len=8)
+    for first in (0, 4):
+        batch["input_ids"][first : first + 4, :8] = batch["input_ids"][first, :8]
+    return batch
+
+
+@contextlib.contextmanager
+def _plans(sc: dict):
+    """`two_call`: every shared-prefix micro-batch takes the two-call plan (GroupedRows never fits)."""
+    saved = microbatch.GROUPED_ROW_MAX
+    microbatch.GROUPED_ROW_MAX = 1 if sc.get("two_call") else saved
+    try:
+        yield
+    finally:
+        microbatch.GROUPED_ROW_MAX = saved
+
+
+SCENARIO_ONLY = ("loss", "split_api", "shared_prompts", "two_call")
 
 
 def _cfg(world: int, sc: dict) -> PolicyConfig:
-    extra = {k: v for k, v in sc.items() if k not in ("loss", "split_api", "name")}
+    extra = {k: v for k, v in sc.items() if k not in SCENARIO_ONLY}
     extra.setdefault("optimizer", SGD)
     return policy_cfg(cluster={"backend": "ray", "num_workers": world}, **extra)
 
@@ -61,8 +90,9 @@ def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict])
     out = []
     for sc in scenarios:
         worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
-        shard = shard_batch(random_batch(8, 16, rl=True), worker.layout.dp)[worker.layout.dp_index(rank)]
-        result = _outcome(worker, shard, _step(worker, shard, sc))
+        shard = shard_batch(_batch(sc), worker.layout.dp)[worker.layout.dp_index(rank)]
+        with _plans(sc):
+            result = _outcome(worker, shard, _step(worker, shard, sc))
         worker.teardown_comms()  # this scenario's groups are not needed again
         out.append(result if rank == 0 else None)
     return out
@@ -70,8 +100,9 @@ def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict])
 
 def _reference(sc: dict) -> dict:
     worker = PolicyWorker(_reference_cfg(sc))
-    batch = random_batch(8, 16, rl=True)
-    return _outcome(worker, batch, _step(worker, batch, {"loss": sc.get("loss", "pg_token")}))
+    batch = _batch(sc)
+    with _plans(sc):
+        return _outcome(worker, batch, _step(worker, batch, {"loss": sc.get("loss", "pg_token")}))
 
 
 def assert_same_as_one_rank(ref: dict, got: dict, rows: int, tol: float = 1e-5) -> None:
@@ -90,7 +121,9 @@ def _run_matrix(world: int, scenarios: list[dict], rows: int, tol: float = 1e-5)
     results = run_ranks(world, _scenarios_on_ranks, scenarios)[0]
     refs: dict[str, dict] = {}
     for sc, got in zip(scenarios, results):
-        key = repr(_reference_cfg(sc).model_dump()) + sc.get("loss", "pg_token")
+        key = repr(
+            (_reference_cfg(sc).model_dump(), sc.get("loss"), sc.get("shared_prompts"), sc.get("two_call"))
+        )
         if key not in refs:
             refs[key] = _reference(sc)
         try:
@@ -124,7 +157,8 @@ def test_two_ranks_tp_sp_cp_match_one_rank():
 def test_two_ranks_features_match_one_rank():
     """What works on one rank works on the mesh: split step, dynamic batching, activation checkpointing,
     FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral (with a sliding window
-    shorter than the rows), temperature."""
+    shorter than the rows), temperature, shared-prompt batches (both shared-prefix plans under TP; off
+    under CP)."""
     tp2, sp, cp2 = LAYOUTS_2["tp2"], LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]
     scenarios = [
         {"parallel": tp2, "microbatch": PADDED, "split_api": True},
@@ -139,9 +173,19 @@ def test_two_ranks_features_match_one_rank():
         {"parallel": tp2, "microbatch": PADDED, "model": {"tiny": {"family": "gemma"}}},
         {"parallel": cp2, "microbatch": PACKED, "model": {"tiny": {"family": "mistral"}}, "loss": "nll"},
         {"parallel": sp, "microbatch": PACKED, "logprob_temperature": 0.7},
+        {"parallel": tp2, "microbatch": {"train_micro_batch_size": 4}, "shared_prompts": True},
+        {
+            "parallel": tp2,
+            "microbatch": {"train_micro_batch_size": 4},
+            "shared_prompts": True,
+            "two_call": True,
+        },
+        {"parallel": cp2, "microbatch": {"train_micro_batch_size": 4}, "shared_prompts": True},
         {"parallel": cp2, "microbatch": PADDED, "model": WINDOWED},
         {"parallel": cp2, "microbatch": PACKED, "model": WINDOWED},
         {"parallel": sp, "microbatch": PACKED, "model": WINDOWED},
+        {"parallel": sp, "microbatch": PADDED, "model": WINDOWED},  # window 5 <= 16 / tp
+        {"parallel": sp, "microbatch": {"mode": "dynamic", "max_tokens": 40}, "model": WINDOW_10},
         {"parallel": cp2, "microbatch": PADDED, "logprob_temperature": 0.7, "loss": "pg_seq"},
     ]
     _run_matrix(2, scenarios, rows=8)
@@ -352,3 +396,9 @@ def test_sequence_parallel_needs_a_plan_of_ours(tmp_path):
     model = load_model(_tiny_phi(tmp_path / "phi"))
     with pytest.raises(ValueError, match="sequence parallelism has no plan for model type 'phi'"):
         apply_tp(model, tp_mesh=None, sequence_parallel=True)
+
+
+def test_top_k_beyond_the_vocabulary_is_refused():
+    worker = PolicyWorker(policy_cfg())
+    with pytest.raises(ValueError, match="k must be between 1 and the vocabulary size 79, got 80"):
+        worker.get_topk_logits(random_batch(2, 8), 80)

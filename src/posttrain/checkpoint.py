@@ -408,6 +408,11 @@ def _write_rank0_files(
         tokenizer.save_pretrained(hf_dir)
 
 
+def _full_mesh(mesh: dict[str, int] | None, world: int) -> dict[str, int]:
+    """(dp, cp, tp) sizes; a checkpoint saved without them was data-parallel over its world."""
+    return {"dp": world, "cp": 1, "tp": 1} | (mesh or {})
+
+
 def _metadata(
     state: TrainState, trainer_version: int, identity: dict[str, Any], mesh: dict[str, int] | None
 ) -> dict[str, Any]:
@@ -416,7 +421,7 @@ def _metadata(
         "format_version": FORMAT_VERSION,
         "trainer_version": trainer_version,
         "world_size": _world_size(),
-        "mesh": mesh or {"dp": _world_size()},
+        "mesh": _full_mesh(mesh, _world_size()),
         "has_reference": state.reference is not None,
         "torch_version": torch.__version__,
         "fingerprint": {"model": model_fingerprint(state.model), "config": identity},
@@ -558,9 +563,9 @@ def load_checkpoint(
     state.scheduler.load_state_dict(train_state["scheduler"])
     _load_rng(root / "rng", _rank())
     _barrier()
-    mesh = mesh or {"dp": _world_size()}
-    saved_mesh = meta.get("mesh", {"dp": meta["world_size"]})
-    if meta["world_size"] != _world_size() or saved_mesh != mesh:
+    mesh = _full_mesh(mesh, _world_size())
+    saved_mesh = _full_mesh(meta.get("mesh"), meta["world_size"])
+    if saved_mesh != mesh:
         log.info("resharded checkpoint %s from mesh %s to %s", root, saved_mesh, mesh)
     return CheckpointInfo(
         trainer_version=meta["trainer_version"],

@@ -146,18 +146,19 @@ def dynamic_microbatches(batch: TensorDict, max_tokens: int) -> list[MicroBatch]
     return [_take(batch, g) for g in groups]
 
 
+def segment_ids(lengths: list[int], total: int) -> torch.Tensor:
+    """[total] sequence number of each position of a row holding sequences of `lengths` end to end;
+    each padding position after them gets a negative number of its own."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    return torch.cat([seg, -1 - torch.arange(total - seg.numel())])
+
+
 def block_causal_mask(lengths: list[int], total: int) -> torch.Tensor:
     """[1, 1, total, total] bool mask: causal within each sequence, nothing across sequences.
 
     Positions past the last sequence (padding) attend only to themselves so softmax stays finite.
     """
-    seg = torch.full((total,), -1, dtype=torch.long)
-    start = 0
-    for s, n in enumerate(lengths):
-        seg[start : start + n] = s
-        start += n
-    pad = seg < 0
-    seg[pad] = -1 - torch.arange(int(pad.sum()))
+    seg = segment_ids(lengths, total)
     same = seg[:, None] == seg[None, :]
     causal = torch.ones(total, total, dtype=torch.bool).tril()
     return (same & causal)[None, None]

@@ -6,10 +6,10 @@ the only place where tokens meet: it all-gathers the keys and values of the row 
 queries over them under a mask built from global token indices. The backward of that all-gather is
 a reduce-scatter: each rank's queries contribute gradients to every rank's keys and values.
 
-Load balance: under a causal mask the last tokens do the most work, so the sequence (padded to a
-multiple of 2*cp) is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (the "zigzag"
-layout). Any layout works for correctness, since the mask is built from the global index of every
-query and key.
+Layout: rank r holds the r-th contiguous 1/cp of the row (padded to a multiple of cp). Attention
+runs as one SDPA call over a dense [q_local, T] mask, which costs the same on every rank whatever the
+layout, so a load-balancing ("zigzag") layout would buy nothing here; it would with a kernel that
+skips masked blocks.
 
 Packing: a packed row carries one segment id per token; a query attends to a key only in its own
 segment and not after it, exactly as the block-diagonal mask of an unpacked, packed row does.
@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 
 ATTN_IMPLEMENTATION = "posttrain_context_parallel"
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    fn(out, inp, group=group)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -49,15 +54,8 @@ class _GatherSeq(torch.autograd.Function):
             return grad.chunk(ctx.n, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None
         stacked = grad.movedim(ctx.dim, 0).contiguous()  # rank r's slice is the r-th chunk of dim 0
         mine = stacked.new_empty((stacked.shape[0] // ctx.n, *stacked.shape[1:]))
-        dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+        _reduce_scatter(mine, stacked, ctx.group)
         return mine.movedim(0, ctx.dim).contiguous(), None, None, None
-
-
-def zigzag_indices(total: int, cp: int, rank: int) -> torch.Tensor:
-    """Global token indices held by `rank`: chunks rank and 2*cp-1-rank of 2*cp equal chunks."""
-    chunk = total // (2 * cp)
-    ar = torch.arange(chunk)
-    return torch.cat([rank * chunk + ar, (2 * cp - 1 - rank) * chunk + ar])
 
 
 @dataclass
@@ -66,33 +64,27 @@ class ContextParallel:
 
     group: dist.ProcessGroup
     local: torch.Tensor  # [q] global indices of this rank's tokens
-    order: torch.Tensor  # [T] global index of each position of the rank-order concatenation
-    mask: torch.Tensor  # [b or 1, 1, q, T] True where a local query may attend to a (rank-order) key
+    mask: torch.Tensor  # [b or 1, 1, q, T] True where a local query may attend to a key
 
     @staticmethod
     def build(group, total: int, segments: torch.Tensor | None, device: torch.device) -> ContextParallel:
-        """Layout of `total` tokens (a multiple of 2*cp). `segments` [b, total] numbers the sequences of
+        """Layout of `total` tokens (a multiple of cp). `segments` [b, total] numbers the sequences of
         packed rows (None: each row is one causal sequence)."""
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        order = torch.cat([zigzag_indices(total, n, r) for r in range(n)]).to(device)
-        local = order.view(n, -1)[rank]
-        mask = (order[None, :] <= local[:, None])[None, None]
+        assert total % n == 0, f"{total} tokens do not split over {n} context-parallel ranks"
+        q = total // n
+        local = torch.arange(rank * q, (rank + 1) * q, device=device)
+        keys = torch.arange(total, device=device)
+        mask = (keys[None, :] <= local[:, None])[None, None]
         if segments is not None:
             seg = segments.to(device)
-            mask = mask & (seg[:, local][:, None, :, None] == seg[:, order][:, None, None, :])
-        return ContextParallel(group, local, order, mask)
+            mask = mask & (seg[:, local][:, None, :, None] == seg[:, None, None, :])
+        return ContextParallel(group, local, mask)
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The full-length tensor from every rank's local values along `dim`, in token order. The
-        backward keeps this rank's slice (the consumers, loss and metrics, are the same on every rank)."""
-        gathered = _GatherSeq.apply(x, dim, self.group, False)
-        inverse = torch.empty_like(self.order)
-        inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-        return gathered.index_select(dim, inverse)
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+        """The full-length tensor from every rank's local values along `dim`. The backward keeps this
+        rank's slice (the consumers, loss and metrics, are the same on every rank)."""
+        return _GatherSeq.apply(x, dim, self.group, False)
 
 
 def context_parallel_attention(
@@ -119,19 +111,24 @@ def context_parallel_attention(
         )
     if posttrain_cp is None:
         raise RuntimeError(
-            "a context-parallel model was called without its layout; call it through "
-            "posttrain.models.logprobs (which passes posttrain_cp=ContextParallel)"
+            "a context-parallel model was called without its layout: its attention did not receive the "
+            "`posttrain_cp` keyword that posttrain.models.logprobs passes to the model (a model whose "
+            "layers do not forward **kwargs to attention cannot run context-parallel)"
         )
     cp: ContextParallel = posttrain_cp
     keys = _GatherSeq.apply(key, 2, cp.group, True)
     values = _GatherSeq.apply(value, 2, cp.group, True)
-    groups = query.shape[1] // keys.shape[1]
-    keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
     mask = cp.mask
     if sliding_window is not None:
-        mask = mask & (cp.local[:, None] - cp.order[None, :] < sliding_window)
+        mask = mask & (cp.local[:, None] - torch.arange(keys.shape[2], device=mask.device) < sliding_window)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=keys.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
 

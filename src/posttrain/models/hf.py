@@ -65,6 +65,13 @@ def build_tiny_model(vocab_size: int, seed: int = 0, cfg: TinyModelConfig | None
     return model
 
 
+def tie_lm_head(model) -> None:
+    """Point the lm_head at the input embedding when the config ties them (after anything replaced
+    either parameter: sharding, `to_empty`)."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.get_input_embeddings().weight
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """`from_pretrained` on a local directory or hub name, with fp32 master weights by default."""
     try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix, block_causal_mask
+from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix, block_causal_mask, segment_ids
 from posttrain.models.context_parallel import ContextParallel
 from posttrain.models.vocab_parallel import VocabShard, token_logprobs
 
@@ -36,14 +36,15 @@ __all__ = ["SequenceSplit", "microbatch_logprobs", "microbatch_topk", "token_log
 @dataclass(frozen=True)
 class SequenceSplit:
     """How the sequence dim of a model call is laid out over ranks: padded to a multiple of `multiple`
-    (sequence parallel: tp; context parallel: 2*cp*tp) and, with `cp_mesh`, split over its ranks."""
+    (sequence parallel: tp; context parallel: cp, times tp with sequence parallel) and, with `cp_mesh`,
+    split over its ranks."""
 
     multiple: int = 1
     cp_mesh: Any = None  # a 1-D DeviceMesh; its group is read per call (communicators can be rebuilt)
 
     @property
     def active(self) -> bool:
-        return self.multiple > 1 or self.cp_mesh is not None
+        return self.multiple > 1  # context parallelism implies a multiple of cp
 
 
 def _shifted(values: torch.Tensor) -> torch.Tensor:
@@ -94,13 +95,6 @@ def model_logits(model, mb: MicroBatch) -> torch.Tensor:
     return model(input_ids=mb.data["input_ids"], use_cache=False).logits
 
 
-def _segments(lengths: list[int], total: int, device: torch.device) -> torch.Tensor:
-    """[1, total] sequence number of each token of a packed row; padding: its own negative number."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pad = -1 - torch.arange(total - seg.numel())
-    return torch.cat([seg, pad])[None].to(device)
-
-
 def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The model on a micro-batch whose sequence is padded to `split.multiple` (and, under context
     parallelism, cut over the ranks). Returns (this rank's logits [b, q, V(/tp)], next-token targets
@@ -115,12 +109,17 @@ def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tens
     else:
         positions = torch.arange(total, device=ids.device)[None].expand(b, total)
     if split.cp_mesh is None:  # sequence parallel: the whole row, padded
+        # transformers would size its own mask by the local (1/tp) length that reaches the layers,
+        # while attention runs over the whole row: pass one for the whole row whenever a mask is
+        # needed (packing, a sliding window); a plain causal row needs none (sdpa's causal path)
         mask = None
         if mb.packed is not None:
             mask = _packed_mask(model, block_causal_mask(mb.packed.lengths, total).to(ids.device))
+        elif sliding_window(model) is not None:
+            mask = _packed_mask(model, block_causal_mask([total], total).to(ids.device))
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.logits, targets, None
-    segments = _segments(mb.packed.lengths, total, ids.device) if mb.packed is not None else None
+    segments = segment_ids(mb.packed.lengths, total)[None] if mb.packed is not None else None
     cp = ContextParallel.build(split.cp_mesh.get_group(), total, segments, ids.device)
     local = cp.local
     out = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False, posttrain_cp=cp)

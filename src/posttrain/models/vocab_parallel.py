@@ -54,7 +54,7 @@ class VocabShard:
         mesh, placements = logits.device_mesh, logits.placements
         last = logits.ndim - 1
         if mesh.ndim != 1 or not isinstance(placements[0], Shard) or placements[0].dim not in (-1, last):
-            raise ValueError(
+            raise RuntimeError(
                 f"expected logits sharded on the vocabulary over a 1-D tensor-parallel mesh, got "
                 f"placements {placements} on a {mesh.ndim}-D mesh"
             )

@@ -6,6 +6,7 @@ Ray is imported lazily, so the local backend runs without it. Every wait is boun
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field
@@ -48,6 +49,19 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None):
     return ray
 
 
+def _put_shared(per_rank: list[tuple]) -> list[tuple]:
+    """Put each argument that several ranks get (the ranks of one data-parallel shard under tensor or
+    context parallelism) into Ray's object store once; Ray hands every rank the value behind the ref."""
+    import ray
+
+    counts = Counter(id(a) for args in per_rank for a in args)
+    refs: dict[int, Any] = {}
+    return [
+        tuple(refs.setdefault(id(a), ray.put(a)) if counts[id(a)] > 1 else a for a in args)
+        for args in per_rank
+    ]
+
+
 class WorkerGroup:
     """`world_size` instances of `worker_cls(*args, rank=r, world_size=n, ...)`, called together."""
 
@@ -88,6 +102,8 @@ class WorkerGroup:
         self, method: str, *args: Any, per_rank: list[tuple] | None = None, **kwargs: Any
     ) -> list[Any]:
         """Start `method` on every rank (rank r gets `*per_rank[r]` first when given); returns refs/results."""
+        if per_rank is not None and self.backend == "ray":
+            per_rank = _put_shared(per_rank)
         out = []
         for r, w in enumerate(self.workers):
             rank_args = tuple(per_rank[r]) if per_rank is not None else ()

@@ -5,9 +5,9 @@ A colocated run moves the trainer off the device while the engine generates. Its
 still hold device memory (NCCL communicator buffers) and, on CPU, sockets and threads. This module
 destroys them and later recreates them, without rebuilding the model or the optimizer:
 
-1. `collect_groups` walks the data-parallel mesh and every FSDP2 state of the model (param groups,
-   params, their mesh infos and communication helpers, the DTensor specs of the sharded params) and
-   records each process group found (deduplicated by identity) together with every place that refers
+1. `collect_groups` walks the worker's meshes (data, context and tensor parallel) and every FSDP2
+   state of the model (param groups, params, their mesh infos and communication helpers, the DTensor
+   specs of the sharded params) and records each process group found (deduplicated by identity) together with every place that refers
    to it (a "holder": an attribute, a list slot, a mesh's group name or registry entry).
 2. `teardown` replaces every holder's reference by a `TornDownGroup` placeholder (a stray use raises
    `CommsError` instead of silently running on another group) and destroys each group. Dropping the
@@ -179,7 +179,8 @@ class _Walker:
             if pg is dist.group.WORLD:
                 raise ValueError(
                     "the model's mesh uses the default (world) process group, which cannot be torn down "
-                    "on its own; build the mesh with posttrain.parallel.mesh.build_dp_mesh (its own group)"
+                    "on its own; build the mesh with posttrain.parallel.mesh.build_mesh (its own groups; a "
+                    "context-parallel mesh without tensor parallelism has them from torch 2.9 on)"
                 )
             self.index[id(pg)] = len(self.groups)
             self.groups.append(pg)

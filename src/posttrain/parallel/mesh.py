@@ -9,6 +9,7 @@ can tear all of them down and rebuild them while the default group stays up as t
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from dataclasses import dataclass
@@ -101,8 +102,9 @@ class Layout:
 
 @dataclass
 class Meshes:
-    """The meshes a worker's model is parallelized over. `fsdp` is 1-D (dp, or dp x cp flattened);
-    `tp`, `cp` and `dp` are set only when tp or cp > 1 (pure data parallelism uses `fsdp` alone)."""
+    """The meshes a worker's model is parallelized over. `fsdp` is 1-D (dp, or dp x cp flattened).
+    Pure data parallelism uses `fsdp` alone; otherwise `root` (dp, cp, tp) and `dp` are set, `tp` when
+    tp > 1 and `cp` when cp > 1."""
 
     fsdp: DeviceMesh
     tp: DeviceMesh | None = None
@@ -134,10 +136,11 @@ def build_mesh(device: torch.device, layout: Layout) -> Meshes:
     ranks = torch.arange(layout.world).view(layout.dp, layout.cp, layout.tp)
     groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
     root = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp"))
-    try:  # its own groups, even where dp x cp spans the world (the default group is never torn down)
-        fsdp = root["dp", "cp"]._flatten("dp_cp", backend_override=backend)
-    except TypeError:  # torch without backend_override: the world-spanning case reuses the default group
-        fsdp = root["dp", "cp"]._flatten("dp_cp")
+    dp_cp = root["dp", "cp"]
+    if "backend_override" in inspect.signature(dp_cp._flatten).parameters:
+        fsdp = dp_cp._flatten("dp_cp", backend_override=backend)  # its own groups, even world-wide
+    else:  # older torch: where dp x cp spans the world, the flattened mesh reuses the default group
+        fsdp = dp_cp._flatten("dp_cp")
     tp = root["tp"] if layout.tp > 1 else None
     cp = root["cp"] if layout.cp > 1 else None
     return Meshes(fsdp=fsdp, tp=tp, cp=cp, dp=root["dp"], root=root)

@@ -42,10 +42,13 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
     port = free_port()
     old_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, old_path] if p)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)]
     try:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)]
         for p in procs:
             p.start()
+    except BaseException:
+        _stop([p for p in procs if p.pid is not None])
+        raise
     finally:
         os.environ["PYTHONPATH"] = old_path
     out: dict[int, object] = {}
@@ -69,8 +72,14 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        _stop(procs)
     return [out[r] for r in range(world)]
+
+
+def _stop(procs: list) -> None:
+    """Join each process (a failed rank's peers may wait in a collective: killed after 10 s)."""
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)

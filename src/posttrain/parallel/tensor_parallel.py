@@ -36,11 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from posttrain.parallel.mesh import decoder_layers
-
-# DTensor warns each time a (dp_cp, tp) grad-norm or full-tensor gather takes two collectives instead of
-# one over a flattened mesh: a few scalar all-reduces per step, not worth a log line per step per rank.
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+from posttrain.models.hf import tie_lm_head
+from posttrain.parallel.mesh import Layout, decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
@@ -48,7 +45,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 class Replicated(ParallelStyle):
     """Parameters replicated over the group; the input is taken as a DTensor with `input_layout` (its
     rank-local part) and the output handed back as this rank's local tensor. A gradient computed from
-    sharded inputs is partial and summed over the group by FSDP2's reduction."""
+    sharded inputs is partial; FSDP2 redistributes it to the parameter's replicated layout, which sums
+    it over the group."""
 
     def __init__(self, input_layout: Shard | Replicate | None = None) -> None:
         super().__init__()
@@ -113,10 +111,10 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _from_hf_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
+def _from_hf_plan(config) -> dict[str, ParallelStyle]:
     """A decoder-layer plan from the config's `base_model_tp_plan` (colwise/rowwise entries only)."""
-    model_type = model.config.model_type
-    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    model_type = config.model_type
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     unknown = {k: v for k, v in hf_plan.items() if v not in styles}
     if not hf_plan or unknown:
@@ -128,16 +126,41 @@ def _from_hf_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
     return {k: styles[v]() for k, v in hf_plan.items()}
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> torch.nn.Module:
-    """Shard `model` over `tp_mesh` in place (see the module docstring); returns it."""
-    model_type = getattr(model.config, "model_type", None)
-    hf_plan = None if model_type in SUPPORTED_MODEL_TYPES else _from_hf_plan(model)
-    if hf_plan is not None and sequence_parallel:
+def check_parallel_support(config, layout: Layout, sequence_parallel: bool) -> None:
+    """Raise ValueError, naming the fix, when `layout` cannot run this model: a TP size that does not
+    divide it, a model type without a TP plan (or without our plan, for sequence parallelism), or
+    attention that context parallelism does not implement. Cheap: the driver calls it before any rank
+    starts, and every rank before it builds the model."""
+    if layout.tp > 1:
+        check_tp_divides(config, layout.tp)
+        _tp_plan(config, sequence_parallel)
+    if layout.cp > 1 and getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"context parallelism does not implement attention logit soft-capping (model type "
+            f"'{config.model_type}'); use parallel.context_parallel_size=1"
+        )
+
+
+def _tp_plan(config, sequence_parallel: bool) -> dict[str, ParallelStyle] | None:
+    """The config's own plan for a model type we have no plan for (None: ours applies)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return None
+    if sequence_parallel:
         raise ValueError(
             f"sequence parallelism has no plan for model type '{model_type}'; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}. Set parallel.sequence_parallel=false"
         )
+    return _from_hf_plan(config)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> torch.nn.Module:
+    """Shard `model` over `tp_mesh` in place (see the module docstring); returns it."""
+    hf_plan = _tp_plan(model.config, sequence_parallel)
     check_tp_divides(model.config, tp_mesh.size())
+    # DTensor logs each (dp_cp, tp) grad-norm or full-tensor gather that takes two collectives instead
+    # of one over a flattened mesh: a few scalar reductions per step, not worth a line per step per rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if hf_plan is not None:
         parallelize_module(model.model, tp_mesh, hf_plan)
     else:
@@ -154,8 +177,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
             ),
         },
     )
-    if getattr(model.config, "tie_word_embeddings", False):  # both are sharded on the vocabulary
-        model.lm_head.weight = model.get_input_embeddings().weight
+    tie_lm_head(model)  # both are sharded on the vocabulary (dim 0 of the weight)
     _replicate_the_rest(model, tp_mesh, sequence_parallel)
     return model
 

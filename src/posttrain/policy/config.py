@@ -133,7 +133,7 @@ class PolicyConfig(Config):
             raise ValueError(
                 f"cluster.num_workers={self.cluster.num_workers} needs cluster.backend='ray'; the local backend runs one rank"
             )
-        dp = self.parallel.layout(self.cluster.num_workers).dp
+        dp = self.dp_size
         if self.train_global_batch_size % dp:
             raise ValueError(
                 f"train_global_batch_size={self.train_global_batch_size} is not divisible by the "

@@ -9,10 +9,10 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.models.context_parallel import register_attention
-from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tiny_config
+from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tie_lm_head, tiny_config
 from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.parallel import mesh as pmesh
-from posttrain.parallel.tensor_parallel import apply_tp
+from posttrain.parallel.tensor_parallel import apply_tp, check_parallel_support
 from posttrain.policy.config import ModelConfig, PolicyConfig
 
 
@@ -29,15 +29,11 @@ def load_full_model(cfg: ModelConfig, tokenizer):
     return load_model(cfg.name)
 
 
-def model_config(cfg: ModelConfig, tokenizer):
+def model_config(cfg: ModelConfig, tokenizer=None):
+    """The transformers config of the model (the tiny model's needs its tokenizer's size)."""
     if cfg.name == "tiny":
-        return tiny_config(len(tokenizer), cfg.tiny)
+        return tiny_config(len(tokenizer if tokenizer is not None else build_tokenizer(cfg)), cfg.tiny)
     return AutoConfig.from_pretrained(cfg.name)
-
-
-def _retie(model) -> None:
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.get_input_embeddings().weight
 
 
 def build_policy_model(
@@ -51,6 +47,9 @@ def build_policy_model(
         rank = dist.get_rank()
         full = load_full_model(cfg.model, tokenizer) if rank == 0 else None
         config = full.config if full is not None else model_config(cfg.model, tokenizer)
+        check_parallel_support(
+            config, cfg.parallel.layout(dist.get_world_size()), cfg.parallel.sequence_parallel
+        )
         attn = "sdpa" if meshes.cp is None else register_attention()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
@@ -58,7 +57,7 @@ def build_policy_model(
             apply_tp(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
         pmesh.apply_fsdp(model, meshes.fsdp, param_dtype=dtype, cpu_offload=cfg.parallel.fsdp_cpu_offload)
         model.to_empty(device="cpu" if cfg.parallel.fsdp_cpu_offload else device)
-        _retie(model)
+        tie_lm_head(model)
         full_sd = full.state_dict() if full is not None else {}
         set_model_state_dict(
             model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

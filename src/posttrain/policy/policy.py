@@ -19,10 +19,10 @@ from tensordict import TensorDict
 from posttrain.data.batch import shard_batch, validate_batch
 from posttrain.data.normalization import LossFn
 from posttrain.parallel.cluster import WorkerGroup
-from posttrain.parallel.tensor_parallel import check_tp_divides
+from posttrain.parallel.tensor_parallel import check_parallel_support
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
-from posttrain.policy.model_init import build_tokenizer, model_config
+from posttrain.policy.model_init import model_config
 from posttrain.policy.worker import PolicyWorker
 
 
@@ -34,8 +34,8 @@ class Policy:
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.world_size = cfg.cluster.num_workers
         self.layout = cfg.parallel.layout(self.world_size)
-        if self.layout.tp > 1:  # before any rank starts: the error names the sizes that work
-            check_tp_divides(model_config(cfg.model, build_tokenizer(cfg.model)), self.layout.tp)
+        if self.layout.tp > 1 or self.layout.cp > 1:  # before any rank starts; the error names the fix
+            check_parallel_support(model_config(cfg.model), self.layout, cfg.parallel.sequence_parallel)
         self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
         self._step_loss: LossFn | None = None
 

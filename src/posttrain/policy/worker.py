@@ -105,10 +105,10 @@ class PolicyWorker:
 
     def _sequence_split(self) -> SequenceSplit:
         """How model calls lay out the sequence: sequence parallel pads it to a multiple of tp; context
-        parallel splits it over the cp ranks in 2*cp chunks, each a multiple of tp under SP."""
+        parallel splits it over the cp ranks in equal chunks, each a multiple of tp under SP."""
         par, layout = self.cfg.parallel, self.layout
         sp = par.sequence_parallel and layout.tp > 1
-        multiple = (layout.tp if sp else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+        multiple = (layout.tp if sp else 1) * layout.cp
         return SequenceSplit(multiple, self.meshes.cp if self.meshes is not None else None)
 
     # ------------------------------------------------------------------ helpers
@@ -418,8 +418,9 @@ class PolicyWorker:
     @verb(*ON_DEVICE, collective=True)
     def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k logits and token ids [B, T, k] of the distribution over each token (position 0: zeros)."""
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        vocab = self.model.config.vocab_size
+        if not 1 <= k <= vocab:
+            raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
         temp = self.cfg.logprob_temperature
         parts = self._infer(
             batch, lambda mb: microbatch_topk(self.model, mb, k, temp, self.split), share_prefix=False
