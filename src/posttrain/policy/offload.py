@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device or (t.device.type == device.type == "cpu"):
         return t
+    if isinstance(t, DTensor):  # a buffer replicated over tensor-parallel ranks: move its local part
+        return t.to(device)
     if device.type == "cpu" and torch.cuda.is_available():
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
