@@ -309,7 +309,7 @@ def test_idempotency_and_guards(scenarios):
         assert "torn down" in r["errors"]["stray_forward"]
         assert "rebuild_comms()" in r["errors"]["stray_forward"]
         assert "split train step is open" in r["errors"]["teardown_in_step"]
-        assert "build_dp_mesh" in r["errors"]["default_group"]
+        assert "build_mesh" in r["errors"]["default_group"]
         rebuilt, again, up = r["rebuild"]
         assert rebuilt["groups_created"] == 1 and again["groups_created"] == 0 and up is True
         assert r["loss"] == r["loss"]  # finite
