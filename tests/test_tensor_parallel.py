@@ -10,9 +10,10 @@ import torch
 
 from conftest import random_batch
 from helpers import assert_params_close, policy_cfg
-from posttrain.checkpoint import read_metadata
+from posttrain.checkpoint import export_hf, read_metadata
 from posttrain.data import microbatch
 from posttrain.data.batch import shard_batch
+from posttrain.models.hf import load_model
 from posttrain.parallel.mesh import Layout
 from posttrain.parallel.processes import run_ranks
 from posttrain.parallel.tensor_parallel import apply_tp, check_tp_divides
@@ -233,9 +234,11 @@ def _resume_and_step(rank: int, world: int, port: int, par: dict, path: str) -> 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_across_a_mesh_change_is_exact(tmp_path):
-    """Optimizer state and weights saved on one mesh continue exactly on another: dp=2 <-> tp=2 -> one rank."""
+    """Optimizer state and weights saved on one mesh continue exactly on another: dp=2 <-> tp=2 -> one
+    rank; `export_hf` consolidates a tensor-parallel checkpoint."""
     straight = PolicyWorker(policy_cfg(optimizer=MOMENTUM))
     straight.train(random_batch(8, 16, rl=True), LOSSES["pg_token"]())
+    after_one = straight.full_state_dict()
     m2 = straight.train(random_batch(8, 16, rl=True, seed=1), LOSSES["pg_token"]())
     expected = {"metrics": m2, "params": straight.full_state_dict()}
 
@@ -244,6 +247,8 @@ def test_resume_across_a_mesh_change_is_exact(tmp_path):
     run_ranks(2, _save_after_one_step, tp2, str(tmp_path / "tp2"))
     assert read_metadata(tmp_path / "tp2")["mesh"] == {"dp": 1, "cp": 1, "tp": 2}
     assert read_metadata(tmp_path / "dp2")["mesh"] == {"dp": 2, "cp": 1, "tp": 1}
+    exported = load_model(str(export_hf(tmp_path / "tp2", tmp_path / "hf"))).state_dict()  # consolidated
+    assert_params_close({k: after_one[k] for k in exported}, exported)
     for saved, par in (("dp2", tp2), ("tp2", dp2), ("tp2", tp2)):
         got = run_ranks(2, _resume_and_step, par, str(tmp_path / saved))[0]
         assert got["metrics"]["loss"] == pytest.approx(m2["loss"], rel=1e-5)
@@ -284,8 +289,6 @@ def _export_sync_comms(rank: int, world: int, port: int, par: dict, out_dir: str
 def test_export_weight_sync_and_comms_rebuild(par, tmp_path):
     """HF export and weight sync send full tensors; communicators (every mesh group) come back after
     teardown and the next step is the step of one rank."""
-    from posttrain.models.hf import load_model
-
     got = run_ranks(2, _export_sync_comms, par, str(tmp_path / "hf"))[0]
     ref = PolicyWorker(policy_cfg(optimizer=SGD))
     batch = random_batch(8, 16, rl=True)
