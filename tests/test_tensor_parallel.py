@@ -49,7 +49,7 @@ def _plans(sc: dict):
         microbatch.GROUPED_ROW_MAX = saved
 
 
-SCENARIO_ONLY = ("loss", "split_api", "shared_prompts", "two_call")
+SCENARIO_ONLY = ("loss", "split_api", "shared_prompts", "two_call", "rebuild_comms")
 
 
 def _cfg(world: int, sc: dict) -> PolicyConfig:
@@ -92,6 +92,10 @@ def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict])
     for sc in scenarios:
         worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
         shard = shard_batch(_batch(sc), worker.layout.dp)[worker.layout.dp_index(rank)]
+        if sc.get("rebuild_comms"):  # every group of the mesh destroyed and created anew before the step
+            worker.get_logprobs(shard)
+            worker.teardown_comms()
+            worker.rebuild_comms()
         with _plans(sc):
             result = _outcome(worker, shard, _step(worker, shard, sc))
         worker.teardown_comms()  # this scenario's groups are not needed again
@@ -195,6 +199,8 @@ def test_two_ranks_features_match_one_rank():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_four_ranks_dp2_tp2_and_cp2_tp2_match_one_rank():
+    """dp=2 x tp=2 for every loss, padded and packed; cp=2 x tp=2 + SP, dp=2 x cp=2 and dp=2 x tp=2 + SP
+    after a teardown and rebuild of every communicator of the mesh."""
     scenarios = [
         {"parallel": {"tensor_parallel_size": 2}, "microbatch": mb, "loss": loss}
         for loss in LOSSES
@@ -202,7 +208,14 @@ def test_four_ranks_dp2_tp2_and_cp2_tp2_match_one_rank():
     ]
     _run_matrix(4, scenarios, rows=4)
     cp_tp = {"tensor_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True}
-    _run_matrix(4, [{"parallel": cp_tp, "microbatch": PACKED, "loss": "pg_seq"}], rows=8)
+    dp_cp = {"context_parallel_size": 2}
+    dp_tp_sp = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    _run_matrix(
+        4, [{"parallel": cp_tp, "microbatch": PACKED, "loss": "pg_seq", "rebuild_comms": True}], rows=8
+    )
+    _run_matrix(
+        4, [{"parallel": p, "microbatch": PACKED, "rebuild_comms": True} for p in (dp_cp, dp_tp_sp)], rows=4
+    )
 
 
 # ------------------------------------------------------------------ checkpoints, export, sync, comms
