@@ -62,7 +62,7 @@ def rank_batch(rank: int, world: int, step: int):
 
 
 def local_params(worker) -> dict[str, torch.Tensor]:
-    from posttrain.policy.worker import local_tensor
+    from posttrain.parallel.mesh import local_tensor
 
     return {n: local_tensor(p).detach().clone() for n, p in worker.model.named_parameters()}
 

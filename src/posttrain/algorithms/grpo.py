@@ -231,11 +231,7 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     task = build_task(cfg.task, tokenizer)
     gen_cfg = engine_config(cfg, task)
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
-    sync = WeightSync(
-        cfg.weight_sync,
-        engine.vocab_size,
-        dp_size=cfg.policy.dp_size,
-    )
+    sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.dp_size)
     run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     if skips_prev_logprobs(cfg):
         run.loss_fn = ClippedPGLoss(cfg.loss.model_copy(update={"force_on_policy_ratio": True}))

@@ -130,7 +130,7 @@ def _split_next_token(model, mb: MicroBatch, split: SequenceSplit, temperature: 
     """[b or 1, t] logprob of token i+1 given tokens <= i, for every position i of the call."""
     logits, targets, cp = _split_call(model, mb, split)
     local, shard = VocabShard.of(logits)
-    lp = _lp(_scaled(local, temperature), shard, targets)
+    lp = shard.logprobs(_scaled(local, temperature), targets)
     if cp is not None:
         lp = cp.gather(lp)
     ids = mb.packed.input_ids if mb.packed is not None else mb.data["input_ids"]
@@ -193,11 +193,6 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature if temperature != 1.0 else logits
 
 
-def _lp(local: torch.Tensor, shard: VocabShard, targets: torch.Tensor) -> torch.Tensor:
-    local = local.float()
-    return shard.pick(local, targets) - shard.logsumexp(local)
-
-
 def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> torch.Tensor:
     """Logprobs [b, t] of a micro-batch run as distinct prefixes + per-row suffixes."""
     pre, suf = plan.prefix_ids, plan.suffix_ids
@@ -229,9 +224,9 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
     ).logits
     (logits_p, shard), (logits_s, _) = VocabShard.of(logits_p), VocabShard.of(logits_s)
     logits_p, logits_s = _scaled(logits_p, temperature), _scaled(logits_s, temperature)
-    lp_prefix = _lp(logits_p[:, :-1], shard, pre[:, 1:])  # [u, p-1]
-    lp_boundary = _lp(logits_p[plan.row_prefix, plan.split - 1], shard, suf[:, 0])  # [b]
-    lp_suffix = _lp(logits_s[:, :-1], shard, suf[:, 1:])  # [b, s-1]
+    lp_prefix = shard.logprobs(logits_p[:, :-1], pre[:, 1:])  # [u, p-1]
+    lp_boundary = shard.logprobs(logits_p[plan.row_prefix, plan.split - 1], suf[:, 0])  # [b]
+    lp_suffix = shard.logprobs(logits_s[:, :-1], suf[:, 1:])  # [b, s-1]
     flat = torch.cat([lp_boundary.new_zeros(1), lp_prefix.reshape(-1), lp_boundary, lp_suffix.reshape(-1)])
     return flat[plan.gather_index]
 
@@ -274,9 +269,9 @@ def microbatch_logprobs(
     logits = _scaled(logits, temperature)
     if mb.packed is not None:
         row = mb.packed.input_ids
-        out = _unpack_sequences(mb, _shifted(_lp(logits[:, :-1], shard, row[:, 1:]))[0], t)
+        out = _unpack_sequences(mb, _shifted(shard.logprobs(logits[:, :-1], row[:, 1:]))[0], t)
     else:
-        out = _shifted(_lp(logits[:, :-1], shard, ids[:, 1:]))
+        out = _shifted(shard.logprobs(logits[:, :-1], ids[:, 1:]))
     return out * valid
 
 

@@ -92,6 +92,11 @@ class VocabShard:
         local, owned = self.localize(ids)
         return self.owned_sum(torch.gather(logits, -1, local.unsqueeze(-1)).squeeze(-1), owned)
 
+    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """logprob of `targets[..., i]` under this rank's `logits[..., i, :]`, in fp32."""
+        logits = logits.float()
+        return self.pick(logits, targets) - self.logsumexp(logits)
+
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k values and global token ids over the whole vocabulary (no gradient)."""
         if self.group is None:
@@ -115,5 +120,4 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logprob of `targets[..., i]` under `logits[..., i, :]` in fp32, without a full log-softmax copy.
     `logits` may be a vocab-sharded DTensor (then nothing of size V leaves its rank)."""
     local, shard = VocabShard.of(logits)
-    local = local.float()
-    return shard.pick(local, targets) - shard.logsumexp(local)
+    return shard.logprobs(local, targets)

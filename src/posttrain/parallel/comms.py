@@ -7,8 +7,9 @@ destroys them and later recreates them, without rebuilding the model or the opti
 
 1. `collect_groups` walks the worker's meshes (data, context and tensor parallel) and every FSDP2
    state of the model (param groups, params, their mesh infos and communication helpers, the DTensor
-   specs of the sharded params) and records each process group found (deduplicated by identity) together with every place that refers
-   to it (a "holder": an attribute, a list slot, a mesh's group name or registry entry).
+   specs of the sharded params) and records each process group found (deduplicated by identity)
+   together with every place that refers to it (a "holder": an attribute, a list slot, a mesh's group
+   name or registry entry).
 2. `teardown` replaces every holder's reference by a `TornDownGroup` placeholder (a stray use raises
    `CommsError` instead of silently running on another group) and destroys each group. Dropping the
    references matters: gloo frees a group's sockets and threads only when the Python object dies.

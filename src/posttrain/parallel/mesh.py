@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def free_port() -> int:
@@ -79,7 +85,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.world % (self.tp * self.cp):
             per = self.tp * self.cp
-            valid = [n for n in range(per, 4 * per + 1, per)]
+            valid = list(range(per, 4 * per + 1, per))
             raise ValueError(
                 f"tensor_parallel_size={self.tp} x context_parallel_size={self.cp} = {per} does not divide "
                 f"the {self.world} ranks (cluster.num_workers); run a multiple of {per} ranks "
@@ -94,6 +100,10 @@ class Layout:
     def dp_index(self, rank: int) -> int:
         """The data-parallel shard that `rank` works on."""
         return rank // (self.tp * self.cp)
+
+    def sizes(self) -> dict[str, int]:
+        """{"dp": .., "cp": .., "tp": ..} (recorded in checkpoints)."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
 
     def dp_leaders(self) -> list[int]:
         """One rank per data-parallel shard (cp and tp index 0): whose results stand for the shard."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.models.context_parallel import register_attention
@@ -64,7 +63,7 @@ def build_policy_model(
         )
         full_buffers = dict(full.named_buffers()) if full is not None else {}
         for name, buf in model.named_buffers():
-            local = buf.to_local() if isinstance(buf, DTensor) else buf  # replicated over tp
+            local = pmesh.local_tensor(buf)  # a DTensor where it is replicated over tp
             if full is not None:
                 local.copy_(full_buffers[name])
             dist.broadcast(local, src=0)

@@ -41,6 +41,7 @@ from posttrain.models.logprobs import (
 )
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
+from posttrain.parallel.mesh import local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
@@ -51,11 +52,6 @@ from posttrain.policy.train_step import NonFiniteLossError, OpenStep, loss_norma
 log = get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (possibly DTensor) tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class PolicyWorker:
@@ -461,9 +457,6 @@ class PolicyWorker:
             "init_reference_model": self.cfg.init_reference_model,
         }
 
-    def _mesh_sizes(self) -> dict[str, int]:
-        return {"dp": self.layout.dp, "cp": self.layout.cp, "tp": self.layout.tp}
-
     @verb(*ANY_PHASE, collective=True)
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
         """Model, optimizer, scheduler, RNG and reference weights to `path`, sharded and atomic (checkpoint.py)."""
@@ -475,7 +468,7 @@ class PolicyWorker:
             extra_state=extra_state,
             tokenizer=self.tokenizer,
             config_yaml=dump_config(self.cfg),
-            mesh=self._mesh_sizes(),
+            mesh=self.layout.sizes(),
         )
 
     @verb(*ON_DEVICE, collective=True)
@@ -485,7 +478,7 @@ class PolicyWorker:
             path,
             self._checkpoint_state("load_checkpoint"),
             identity=self._checkpoint_identity(),
-            mesh=self._mesh_sizes(),
+            mesh=self.layout.sizes(),
         )
         self.trainer_version = info.trainer_version
         if self.lifecycle.phase == Phase.INFERENCE:  # loading put the optimizer state next to the params
