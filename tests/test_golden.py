@@ -41,7 +41,11 @@ STEP_KEYS = (
 
 
 def platform() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": str(torch.get_num_threads()),
+    }
 
 
 def checksum(state: dict[str, torch.Tensor]) -> dict[str, object]:
@@ -171,6 +175,8 @@ def test_run_is_bit_identical_to_the_golden_trajectory(name, golden, tmp_path):
 
 if __name__ == "__main__" and "--record" in sys.argv:
     import tempfile
+
+    torch.set_num_threads(1)  # as conftest.py sets it for the tests
 
     with tempfile.TemporaryDirectory() as d:
         data = record(Path(d))
