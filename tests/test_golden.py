@@ -96,7 +96,8 @@ def sync_run(out: Path) -> dict[str, object]:
 
 
 def async_local_run(out: Path) -> dict[str, object]:
-    from posttrain.algorithms.async_grpo_run import AsyncGRPORunConfig, run_async_grpo
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.async_grpo.run import run_async_grpo
 
     base = {
         "policy": small_run_policy(),
@@ -117,15 +118,16 @@ def async_local_run(out: Path) -> dict[str, object]:
 def async_dry_run() -> dict[str, object]:
     """The controller with fake parts, one worker, fixed latencies: which groups each step trained,
     at which versions, and the controller's counters."""
-    from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
-    from posttrain.algorithms.dryrun import FakeRolloutWorker, FakeTrainer, fake_dataset, make_fake_prepare
+    from doubles import FAKE_LOSS, FakeRolloutWorker, FakeTrainer, fake_dataset, make_fake_prepare
+    from posttrain.algorithms.async_grpo.config import AsyncGRPOConfig
+    from posttrain.algorithms.async_grpo.controller import AsyncGRPOController
 
     worker = FakeRolloutWorker("w0", latency=0.0)
     trainer = FakeTrainer()
     cfg = AsyncGRPOConfig(
         target_prompt_groups_per_step=4, max_staleness=1, max_in_flight_per_worker=2, seed=3, num_epochs=2
     )
-    ctrl = AsyncGRPOController(cfg, fake_dataset(12), [worker], trainer, make_fake_prepare())
+    ctrl = AsyncGRPOController(cfg, fake_dataset(12), [worker], trainer, make_fake_prepare(), FAKE_LOSS)
     summary = asyncio.run(asyncio.wait_for(ctrl.run(), 30))
     steps = [[[b.group_id, b.prompt_id, b.weight_version] for b in step] for step in trainer.steps]
     return {"steps": steps, "totals": summary.totals, "groups": summary.groups}

@@ -42,7 +42,8 @@ def _grpo(args: argparse.Namespace) -> int:
 
 
 def _grpo_async(args: argparse.Namespace) -> int:
-    from posttrain.algorithms.async_grpo_run import AsyncGRPORunConfig, run_async_grpo
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.async_grpo.run import run_async_grpo
 
     cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides)
     result = run_async_grpo(cfg)

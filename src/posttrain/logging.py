@@ -10,6 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from posttrain.config import Config
+
+
+class LoggingConfig(Config):
+    """Where and how metrics are written."""
+
+    tensorboard: bool = False
+    wandb_project: str | None = None
+    progress_bar: bool = Field(True, description="rich progress bar on the console")
+
 
 def get_logger(name: str) -> logging.Logger:
     """A logger whose records carry the distributed rank (from RANK, default 0)."""

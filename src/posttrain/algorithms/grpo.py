@@ -19,47 +19,41 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from posttrain.algorithms.advantages import group_advantages, zero_variance_groups
-from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
-from posttrain.algorithms.sft import LoggingConfig
-from posttrain.config import Config, dump_config
-from posttrain.data.batch import batch_from_sequences, completion_values
+from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
+from posttrain.config import Config
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig, can_share
-from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
-from posttrain.parallel.mesh import default_device
+from posttrain.logging import LoggingConfig, StepProgress, get_logger, plot_metrics
 from posttrain.policy.config import PolicyConfig
-from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.model_init import load_full_model
 from posttrain.policy.policy import Policy
+from posttrain.rollout import groups as rollout_groups
+from posttrain.rollout import validation as rollout_validation
+from posttrain.rollout.advantages import zero_variance_groups
+from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.groups import engine_config, probe_sync, step_seed
+from posttrain.rollout.rows import samples_to_batch
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig
-from posttrain.tasks.build import TaskConfig, build_task
+from posttrain.tasks.build import TaskConfig
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
 log = get_logger(__name__)
 
 
-class GRPOLoopConfig(Config):
-    """The loop's knobs (names follow NeMo-RL)."""
+class GRPOLoopConfig(GroupConfig):
+    """The loop's knobs (names follow NeMo-RL); the group settings are rollout.config.GroupConfig's."""
 
     num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
     max_num_steps: int = Field(50, ge=0)
     max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
-    normalize_rewards: bool = Field(True, description="divide advantages by the group's reward std")
-    use_leave_one_out_baseline: bool = Field(False, description="RLOO baseline instead of the group mean")
-    overlong_filtering: bool = Field(False, description="truncated completions do not contribute to the loss")
     dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
     dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
-    overlong_reward_shaping: bool = Field(False, description="DAPO soft penalty near max_new_tokens")
-    overlong_buffer_length: int = Field(4, ge=1)
-    overlong_penalty: float = Field(1.0, ge=0)
     val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
     val_at_start: bool = True
-    val_num_generations: int = Field(1, ge=1, description="k of pass@k (k=1: greedy accuracy)")
-    val_max_prompts: int | None = Field(None, ge=1)
     recompute_prev_logprobs: Literal["auto", "always"] = Field(
         "auto",
         description="auto: skip the extra trainer forward when the step's samples make one optimizer "
@@ -67,7 +61,6 @@ class GRPOLoopConfig(Config):
         "force_on_policy_ratio for the PPO ratio and the importance-sampling weights, as TRL does with "
         "num_iterations=1); always: compute prev_logprobs in a separate forward",
     )
-    seed: int = 0
 
 
 class GRPORunSections(Config):
@@ -119,6 +112,7 @@ class Run:
     """Everything a step needs."""
 
     cfg: GRPOConfig
+    out: Path
     policy: Policy
     engine: GenerationEngine
     task: Task
@@ -141,13 +135,11 @@ class Run:
 
 def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train with GRPO; returns the final metrics (including the last validation)."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(cfg))
     run = setup(cfg, policy)
-    ckpt = CheckpointManager(cfg.checkpointing, out)
+    ckpt = CheckpointManager(cfg.checkpointing, run.out)
     resume_from(run, ckpt)
-    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project, append=run.step > 0)
+    write_config(run.out, cfg)
+    metrics_log = open_metrics(run.out, cfg.logging, resumed=run.step > 0)
     progress = StepProgress(
         cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar
     )
@@ -169,7 +161,7 @@ def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
     finally:
         progress.close()
         metrics_log.close()
-    plot_metrics(metrics_log.path, out / "curves.png", ("reward", "val/accuracy"))
+    plot_metrics(metrics_log.path, run.out / "curves.png", ("reward", "val/accuracy"))
     return last
 
 
@@ -202,19 +194,6 @@ def grpo_step(run: Run) -> dict[str, float]:
 # --------------------------------------------------------------------------- phases
 
 
-def engine_config(cfg: GRPOConfig, task: Task) -> GenerationConfig:
-    """The engine's config as the loops use it: on the default device unless set, and a KV cache
-    no longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
-    gen = cfg.generation
-    if gen.device is None:
-        gen = gen.model_copy(update={"device": str(default_device())})
-    if gen.max_model_len is None:
-        splits = [ds for ds in (task.train, task.eval) if ds is not None]
-        longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
-        gen = gen.model_copy(update={"max_model_len": longest + cfg.sampling.max_new_tokens})
-    return gen
-
-
 def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     """Policy, tokenizer, task, engine (with the policy's weights) and the probe batch."""
     if (
@@ -225,14 +204,12 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
             f"policy.train_global_batch_size={cfg.policy.train_global_batch_size} exceeds the samples per step "
             f"({cfg.grpo.num_prompts_per_step} x {cfg.grpo.num_generations_per_prompt}); lower it"
         )
-    torch.manual_seed(cfg.grpo.seed)
-    policy = policy or Policy(cfg.policy)
-    tokenizer = build_tokenizer(cfg.policy.model)
-    task = build_task(cfg.task, tokenizer)
-    gen_cfg = engine_config(cfg, task)
+    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy)
+    policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
+    gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
-    sync = WeightSync(cfg.weight_sync, engine.vocab_size, dp_size=cfg.policy.dp_size)
-    run = Run(cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
+    sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
+    run = Run(cfg, parts.out, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     if skips_prev_logprobs(cfg):
         run.loss_fn = ClippedPGLoss(cfg.loss.model_copy(update={"force_on_policy_ratio": True}))
     run.share_weights = (
@@ -247,49 +224,17 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     return run
 
 
-def _seed(run: Run, salt: int) -> int:
-    return (run.cfg.grpo.seed * 1_000_003 + run.step * 10_007 + salt * 101) % (2**31)
-
-
 def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[GenerationResult]:
-    """num_generations_per_prompt completions for each prompt. One seed per call: the engine gives
-    sample i its own random stream (seed, i), so every sample's draws are reproducible and distinct."""
+    """The step's groups for `items` (`salt`: the refill attempt), seeded by (seed, step, salt)."""
+    seed = step_seed(run.cfg.grpo.seed, run.step, salt)
     g = run.cfg.grpo.num_generations_per_prompt
-    prompts = [list(it.prompt_token_ids) for it in items for _ in range(g)]
-    return run.engine.generate(prompts, run.cfg.sampling.model_copy(update={"seed": _seed(run, salt)}))
+    return rollout_groups.sample_groups(run.engine, items, g, run.cfg.sampling, seed)
 
 
-def score(
-    run: Run, items: list[PromptItem], results: list[GenerationResult]
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def score(run: Run, items: list[PromptItem], results: list[GenerationResult]):
     """Rewards and failure flags (failed rewards are marked, never zeroed), with overlong shaping."""
-    g = run.cfg.grpo.num_generations_per_prompt
-    flat = [it for it in items for _ in range(g)]
-    texts = decode_completions(run.tokenizer, results)
-    res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
-    rewards = torch.tensor(
-        [float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32
-    )
-    failed = torch.tensor(res.failed, dtype=torch.bool)
-    loop = run.cfg.grpo
-    if loop.overlong_reward_shaping:
-        limit = run.cfg.sampling.max_new_tokens
-        lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
-        over = (lengths - (limit - loop.overlong_buffer_length)).clamp(min=0) / loop.overlong_buffer_length
-        rewards = rewards - loop.overlong_penalty * over.clamp(max=1.0)
-    return rewards, failed, res.summary()
-
-
-def decode_completions(tokenizer, results: list[GenerationResult]) -> list[str]:
-    """Completion texts; identical completions (frequent in a group of short answers) decoded once."""
-    seen: dict[tuple[int, ...], str] = {}
-    out = []
-    for r in results:
-        key = tuple(r.token_ids)
-        if key not in seen:
-            seen[key] = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        out.append(seen[key])
-    return out
+    max_new = run.cfg.sampling.max_new_tokens
+    return rollout_groups.score(run.task, run.tokenizer, items, results, run.cfg.grpo, max_new)
 
 
 def generate(run: Run) -> Rollouts:
@@ -368,40 +313,6 @@ def build_batch(run: Run, ro: Rollouts):
     )
 
 
-def samples_to_batch(
-    results: list[GenerationResult],
-    rewards: torch.Tensor,
-    failed: torch.Tensor,
-    group_ids: torch.Tensor,
-    loop: GRPOLoopConfig,
-    pad_id: int,
-    multiple_of: int = 1,
-):
-    """Advantages per prompt group, then a batch of prompt+completion rows (failed or filtered samples
-    masked out), right-padded with masked rows to a multiple of `multiple_of` rows."""
-    adv = group_advantages(
-        rewards,
-        group_ids,
-        ~failed,
-        leave_one_out=loop.use_leave_one_out_baseline,
-        std_scaling="group" if loop.normalize_rewards else "none",
-    )
-    mask = (~failed).float()
-    if loop.overlong_filtering:
-        mask = mask * torch.tensor([r.finish_reason != "length" for r in results], dtype=torch.float32)
-    pad = -len(results) % multiple_of
-    results = list(results) + [results[i % len(results)] for i in range(pad)]
-    adv = torch.cat([adv, torch.zeros(pad)])
-    mask = torch.cat([mask, torch.zeros(pad)])
-    batch = batch_from_sequences(
-        [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist()
-    )
-    batch["generation_logprobs"] = completion_values(batch, (r.logprobs for r in results))
-    batch["advantages"] = adv[:, None] * batch["token_mask"]
-    metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
-    return batch, metrics
-
-
 def skips_prev_logprobs(cfg: GRPOConfig) -> bool:
     """Whether prev_logprobs equal the training-time logprobs by construction (see recompute_prev_logprobs):
     the step's samples make one optimizer step, so the loss takes prev from its own forward
@@ -467,28 +378,12 @@ def colocated_generation_end(run: Run) -> None:
 
 
 def validate(run: Run) -> dict[str, float]:
-    """Held-out accuracy (greedy when k=1) and pass@k over the eval prompts."""
-    loop = run.cfg.grpo
-    items = run.task.eval.items[: loop.val_max_prompts]
-    k = loop.val_num_generations
+    """Held-out accuracy (greedy when k=1) and pass@k over the eval prompts (rollout/validation.py)."""
     colocated_generation_start(run)
-    prompts = [list(it.prompt_token_ids) for it in items for _ in range(k)]
-    params = [
-        run.cfg.sampling.model_copy(update={"greedy": k == 1, "seed": loop.seed * 7919 + i})
-        for i in range(len(prompts))
-    ]
-    results = run.engine.generate(prompts, params)
-    colocated_generation_end(run)
-    texts = decode_completions(run.tokenizer, results)
-    flat = [it for it in items for _ in range(k)]
-    res = run.task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
-    correct = torch.tensor([(r if not f else 0.0) >= 1.0 for r, f in zip(res.rewards, res.failed)]).view(
-        len(items), k
-    )
-    out = {"val/accuracy": float(correct.float().mean()), "val/reward_failed": float(res.num_failed)}
-    if k > 1:
-        out[f"val/pass@{k}"] = float(correct.any(dim=1).float().mean())
-    return out
+    try:
+        return rollout_validation.validate(run.engine, run.task, run.tokenizer, run.cfg.sampling, run.cfg.grpo)
+    finally:
+        colocated_generation_end(run)
 
 
 # --------------------------------------------------------------------------- checkpoint state
@@ -505,13 +400,9 @@ def loop_state(run: Run) -> dict[str, Any]:
 
 def resume_from(run: Run, ckpt: CheckpointManager) -> None:
     """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step)."""
-    path = ckpt.resume_path()
-    if path is None:
+    extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE)
+    if extra is None:
         return
-    run.policy.prepare_for_training()
-    extra = run.policy.load_checkpoint(str(path))
-    check_resume_config(extra.get("config", {}), _resume_view(run.cfg), RESUME_MAY_CHANGE)
     run.step = int(extra["step"])
     run.task.train.load_state_dict(extra["train_data"])
     sync_weights(run)
-    log.warning("resumed from %s at step %d", path, run.step)

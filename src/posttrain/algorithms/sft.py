@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 from pydantic import Field
 
 from posttrain.algorithms.losses import NLLLoss
-from posttrain.config import Config, dump_config
+from posttrain.algorithms.runs import open_metrics, start_run, write_config
+from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
-from posttrain.logging import MetricsLogger, StepProgress, get_logger
+from posttrain.logging import LoggingConfig, StepProgress, get_logger
+from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
-from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, sft_examples
-from posttrain.tasks.build import TaskConfig, build_task
+from posttrain.tasks.build import TaskConfig
 from posttrain.tasks.task import SFTExample
 
 log = get_logger(__name__)
-
-
-class LoggingConfig(Config):
-    """Where and how metrics are written."""
-
-    tensorboard: bool = False
-    wandb_project: str | None = None
-    progress_bar: bool = Field(True, description="rich progress bar on the console")
 
 
 class SFTConfig(Config):
@@ -94,15 +86,12 @@ def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:
 
 def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the final held-out loss."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(cfg))
-    policy = policy or Policy(cfg.policy)
-    tokenizer = build_tokenizer(cfg.policy.model)
-    task = build_task(cfg.task, tokenizer)
-    pad_id = tokenizer.pad_token_id or 0
+    parts = start_run(cfg.output_dir, cfg.seed, cfg.policy, cfg.task, policy)
+    out, policy, tokenizer, task = parts.out, parts.policy, parts.tokenizer, parts.task
+    write_config(out, cfg)
+    pad_id = pad_token_id(tokenizer)
     heldout = heldout_examples(task, tokenizer)
-    metrics_log = MetricsLogger(out, cfg.logging.tensorboard, cfg.logging.wandb_project)
+    metrics_log = open_metrics(out, cfg.logging, resumed=False)
     progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
     batches = example_batches(task.sft_examples, cfg.policy.train_global_batch_size, cfg.seed)
     last: dict[str, float] = {}

@@ -31,3 +31,8 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
         eos_token="</s>",
         unk_token="<unk>",
     )
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that right-pads training rows (the trainer and the rollout workers must agree)."""
+    return tokenizer.pad_token_id or 0

@@ -347,8 +347,97 @@ def build_splits(
     return train, build_prompt_dataset(eval_src, tokenizer, fmt, seed=seed, shuffle=False, name="eval")
 
 
+class PromptCursor:
+    """A resumable position in a dataset of `size` prompts, the one both loops use: epoch and position in
+    that epoch's seeded permutation (numpy's generator seeded with [seed, epoch]).
+
+    `next()` gives one index (None once `num_epochs` passes are done; None = never), `next_indices(n)`
+    the next n, crossing into the next epoch's permutation when one runs out. `state_dict()` holds the
+    position and what identifies the dataset (seed, shuffle, size, the dataset's `fingerprint`);
+    `load_state_dict` refuses a state saved for another dataset, naming the key that differs.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+        fingerprint: str | None = None,
+        name: str = "train",
+    ) -> None:
+        self.size, self.seed, self.shuffle, self.num_epochs = size, seed, shuffle, num_epochs
+        self.fingerprint, self.name = fingerprint, name
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def exhausted(self) -> bool:
+        return self.size == 0 or (self.num_epochs is not None and self.epoch >= self.num_epochs)
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = rng.permutation(self.size).tolist() if self.shuffle else list(range(self.size))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next(self) -> int | None:
+        """The next prompt index, or None at the end of the last epoch."""
+        if self.exhausted:
+            return None
+        index = self._epoch_order()[self.position]
+        self.position += 1
+        if self.position == self.size:
+            self.epoch, self.position = self.epoch + 1, 0
+        return index
+
+    def next_indices(self, n: int) -> list[int]:
+        """The next `n` indices, moving on to the next epoch when needed (ignores `num_epochs`)."""
+        if n < 1:
+            raise ValueError(f"batch size must be at least 1, got {n}")
+        out: list[int] = []
+        while len(out) < n:
+            order = self._epoch_order()
+            take = order[self.position : self.position + n - len(out)]
+            out.extend(take)
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, plus what identifies the dataset: save this with a checkpoint."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_items": self.size,
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
+        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_items": self.size}
+        expected["fingerprint"] = self.fingerprint
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
+                    f"this dataset has {key}={value!r}; resume with the same dataset and task config"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < max(self.size, 1):
+            raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
+        self.epoch, self.position = epoch, position
+
+
 class PromptDataset:
-    """Prompts served in a seeded per-epoch order from a resumable (epoch, position) cursor.
+    """Prompts served in a seeded per-epoch order from a resumable `PromptCursor`.
 
     `next_batch(n)` returns the next n prompts, crossing into the next epoch (and its new permutation) when
     one runs out. Iterating or indexing reads the prompts in their stored order and does not move the cursor.
@@ -373,11 +462,27 @@ class PromptDataset:
         self.shuffle = shuffle
         self.num_dropped = num_dropped
         self.name = name
-        self.epoch = 0
-        self.position = 0
-        self._order_epoch = -1
-        self._order: list[int] = []
         self._fingerprint: str | None = None
+        self.cursor = self.new_cursor()
+
+    def new_cursor(self, num_epochs: int | None = None) -> PromptCursor:
+        """A cursor over these prompts with this dataset's seed, shuffle and fingerprint."""
+        return PromptCursor(
+            len(self.items),
+            seed=self.seed,
+            shuffle=self.shuffle,
+            num_epochs=num_epochs,
+            fingerprint=self.fingerprint(),
+            name=self.name,
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    @property
+    def position(self) -> int:
+        return self.cursor.position
 
     def __len__(self) -> int:
         return len(self.items)
@@ -388,27 +493,9 @@ class PromptDataset:
     def __iter__(self) -> Iterator[PromptItem]:
         return iter(self.items)
 
-    def _epoch_order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            n = len(self.items)
-            rng = np.random.default_rng([self.seed, self.epoch])
-            self._order = rng.permutation(n).tolist() if self.shuffle else list(range(n))
-            self._order_epoch = self.epoch
-        return self._order
-
     def next_batch(self, n: int) -> list[PromptItem]:
         """The next `n` prompts in this epoch's order, moving on to the next epoch when needed."""
-        if n < 1:
-            raise ValueError(f"batch size must be at least 1, got {n}")
-        out = []
-        while len(out) < n:
-            order = self._epoch_order()
-            take = order[self.position : self.position + n - len(out)]
-            out.extend(self.items[i] for i in take)
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
+        return [self.items[i] for i in self.cursor.next_indices(n)]
 
     def fingerprint(self) -> str:
         """A short hash of the prompt ids and texts, to check a checkpoint belongs to this dataset."""
@@ -421,26 +508,8 @@ class PromptDataset:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor, plus what identifies the dataset: save this with a checkpoint."""
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_items": len(self.items),
-            "fingerprint": self.fingerprint(),
-        }
+        return self.cursor.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
-        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_items": len(self.items)}
-        expected["fingerprint"] = self.fingerprint()
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
-                    f"this dataset has {key}={value!r}; resume with the same dataset and task config"
-                )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < len(self.items):
-            raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
-        self.epoch, self.position = epoch, position
+        self.cursor.load_state_dict(state)

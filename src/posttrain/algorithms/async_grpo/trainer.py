@@ -1,17 +1,12 @@
-"""Adapters that plug the real parts into the asynchronous GRPO controller (async_grpo.py).
+"""The trainer side of asynchronous GRPO: the driver-side `Policy` as the controller's `Trainer`.
 
-- `RayRolloutWorker`: a rollout worker living in a Ray actor. Its object refs are awaited with
-  asyncio (not `ray.wait`, which does not reliably see cross-process readiness from inside a running
-  event loop); the controller bounds every await. A dead actor becomes `WorkerLostError` (the worker
-  is retired, its groups retried elsewhere); a `RolloutFailure` raised inside the actor stays one.
 - `PolicyTrainer`: the driver-side `Policy` as the controller's `Trainer`. Policy verbs block, so they
   run one at a time on a daemon thread (`SerialThread`): the event loop stays free to stream rollouts,
   calls never interleave on the Policy, and a hung call cannot block interpreter exit. The version is
   read back from the ranks after every finish (the Policy is the source of truth; a skipped step
   leaves it unchanged).
-- `policy_prepare_group`: the `prepare_group` hook for a real run: the caller's `to_batch` (rewards ->
-  advantages -> batch, from the synchronous loop's helpers), then prev and reference logprobs from the
-  Policy, on the same thread and at the version the group is trained at.
+- `ChunkedTrainer`: a `PolicyTrainer` fed scored groups (rollout/rows.py `GroupSamples`), training
+  them in chunks of at least `min_rows` rows, one `train_microbatch` call each.
 """
 
 from __future__ import annotations
@@ -23,10 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.algorithms.async_types import GroupResult, PrepareGroup, RolloutFailure, WorkerLostError
-from posttrain.algorithms.staleness import BufferedGroup
+from posttrain.algorithms.async_grpo.contracts import Trainer
 from posttrain.data.normalization import LossFn
 from posttrain.logging import get_logger
+from posttrain.policy.policy import Policy
+from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.rows import GroupSamples, groups_to_batch
 
 log = get_logger(__name__)
 
@@ -138,61 +135,7 @@ class SerialThread:
             self._server.queue.put(None)
 
 
-class RayRolloutWorker:
-    """A `RolloutWorker` over a Ray actor that has `generate_group(prompt, weight_version)` and
-    `set_weights(version, weights)` methods (sync or async) with the same meaning, and
-    `generate_groups(prompts, weight_version)` when the actor has it.
-
-    Under Ray, `weights` should be an ObjectRef (one `ray.put` for all workers), which Ray resolves
-    before the actor's method runs.
-    """
-
-    def __init__(
-        self, actor: Any, name: str = "", loads_between_requests: bool = False, serial_calls: bool = False
-    ) -> None:
-        self.actor = actor
-        self.name = name or repr(actor)
-        self.loads_between_requests = loads_between_requests  # true of the actor's set_weights
-        self.serial_calls = serial_calls  # a synchronous actor: a call waits for those sent before it
-        if hasattr(actor, "generate_groups"):  # the controller batches only what the actor can take
-            self.generate_groups = self._generate_groups
-
-    async def generate_group(self, prompt: Any, weight_version: int) -> GroupResult:
-        return await self._await(self.actor.generate_group.remote(prompt, weight_version), "generate_group")
-
-    async def _generate_groups(self, prompts: list[Any], weight_version: int) -> list[GroupResult]:
-        ref = self.actor.generate_groups.remote(prompts, weight_version)
-        return await self._await(ref, "generate_groups")
-
-    async def set_weights(self, version: int, weights: Any) -> None:
-        await self._await(self.actor.set_weights.remote(version, weights), "set_weights")
-
-    async def _await(self, ref: Any, what: str) -> Any:
-        import ray
-
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            try:
-                ray.cancel(ref)
-            except Exception as e:  # best effort: the controller has already moved on
-                log.debug("ray.cancel(%s) failed: %s", what, e)
-            raise
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, (RolloutFailure, WorkerLostError)):
-                raise cause from e
-            raise
-        except (
-            ray.exceptions.RayActorError,
-            ray.exceptions.WorkerCrashedError,
-            ray.exceptions.NodeDiedError,
-            ray.exceptions.ObjectLostError,
-        ) as e:
-            raise WorkerLostError(f"{self.name}.{what}: the Ray actor is gone ({type(e).__name__})") from e
-
-
-class PolicyTrainer:
+class PolicyTrainer(Trainer):
     """The driver-side `Policy` (split train step) as the controller's `Trainer`.
 
     `export_fn` returns the weights handle given to every rollout worker's `set_weights` after a step
@@ -267,24 +210,80 @@ class PolicyTrainer:
         self._thread.close()
 
 
-def policy_prepare_group(
-    trainer: PolicyTrainer, to_batch: Callable[[BufferedGroup], Any], reference: bool = True
-) -> PrepareGroup:
-    """A `prepare_group` hook: `to_batch(group)` (None filters the group), then the Policy's logprobs.
+class ChunkedTrainer(PolicyTrainer):
+    """The Policy as the controller's trainer, fed `GroupSamples` and training them in chunks.
 
-    `reference=False` skips the reference model (no KL term) and copies prev_logprobs in its place.
-    """
+    `train_group` collects groups until they hold `min_rows` rows, then queues the chunk on the
+    policy thread, which turns it into one batch, adds reference (and, with `prev`, prev) logprobs at
+    the open step's weights and calls `train_microbatch`. It does not wait for the chunk: the
+    controller takes the next groups while it trains, and the thread runs the chunks in order, so it
+    goes from one chunk to the next without waiting for the event loop. A chunk that failed surfaces at
+    the next `train_group` or at `finish`, which queues what is left and waits for every chunk before
+    the optimizer step: a step with a failed chunk is aborted, never applied. `abort` drops what is
+    not trained yet (the abort runs on the thread after the chunks queued before it)."""
 
-    def prepare_blocking(group: BufferedGroup, trainer_version: int) -> Any:
-        if trainer.version != trainer_version:
-            raise RuntimeError(
-                f"group {group.group_id} is prepared for version {trainer_version} but the policy is at "
-                f"{trainer.version}"
-            )
-        batch = to_batch(group)
-        return None if batch is None else trainer.add_logprobs(batch, reference)
+    def __init__(
+        self,
+        policy: Policy,
+        group: GroupConfig,
+        pad_id: int,
+        min_rows: int,
+        reference: bool,
+        prev: bool = True,
+    ):
+        super().__init__(policy)
+        self.group, self.pad_id, self.min_rows, self.reference = group, pad_id, min_rows, reference
+        self.prev = prev
+        self._pending: list[GroupSamples] = []  # groups of the next chunk
+        self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
 
-    async def prepare(group: BufferedGroup, trainer_version: int) -> Any:
-        return await trainer.call(prepare_blocking, group, trainer_version)
+    @property
+    def queued_calls(self) -> int:
+        """Chunks a finish or abort waits for first: those training or queued, and the pending one."""
+        return sum(not f.done() for f in self._queued) + bool(self._pending)
 
-    return prepare
+    def _train_chunk(self, groups: list[GroupSamples]) -> None:
+        batch = groups_to_batch(groups, self.group, self.pad_id)
+        self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))
+
+    def _queue_chunk(self) -> None:
+        chunk, self._pending = self._pending, []
+        if chunk:
+            self._queued.append(self.submit(self._train_chunk, chunk))
+
+    def _raise_failed(self) -> None:
+        """Raise the error of a chunk that has failed; forget the chunks that have trained."""
+        for fut in [f for f in self._queued if f.done()]:
+            self._queued.remove(fut)
+            fut.result()
+
+    def _drop_queued(self) -> None:
+        """Forget the queued chunks (the step is finishing or aborted): results are dropped, and an
+        error not raised yet is logged (the step it belongs to is aborted anyway)."""
+        for fut in self._queued:
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled() and fut.exception() is not None:
+                log.warning("a chunk of the aborted train step failed too: %r", fut.exception())
+        self._queued = []
+
+    async def train_group(self, batch: GroupSamples) -> None:
+        self._raise_failed()
+        self._pending.append(batch)
+        if sum(len(s.results) for s in self._pending) >= self.min_rows:
+            self._queue_chunk()
+
+    async def finish(self) -> dict[str, float]:
+        self._queue_chunk()
+        while self._queued:  # a failed chunk raises here; the controller then aborts the step
+            fut = self._queued[0]
+            try:
+                await fut
+            finally:
+                self._queued.remove(fut)
+        return await super().finish()
+
+    async def abort(self) -> None:
+        self._pending = []
+        self._drop_queued()
+        await super().abort()

@@ -1,5 +1,6 @@
 """Asynchronous GRPO, the real run: the Policy as trainer, engine-backed rollout workers
-(async_engine_worker.py), and the metrics, validation and checkpoints around `AsyncGRPOController`.
+(rollout/engine_worker.py, rollout/ray_worker.py), and the metrics, validation and checkpoints around
+`AsyncGRPOController`.
 
 `run_async_grpo(cfg)` reads like the synchronous `run_grpo`: build the policy and the task, resume
 from a checkpoint if there is one, start the rollout workers (`rollout.backend: local` runs engines
@@ -8,14 +9,14 @@ split train steps. Every step is logged (metrics.jsonl), validated every `grpo.v
 checkpointed; the controller's state (data position, buffered groups, counters) goes into the
 checkpoint's extra state, so `checkpointing.resume` continues a run.
 
-Departures from the synchronous loop (besides streaming, see async_grpo.py):
+Departures from the synchronous loop (besides streaming, see controller.py):
 - steps are sized by `async_grpo.target_prompt_groups_per_step` and counted by `async_grpo.num_steps`
   (the `grpo` section keeps the group size, advantages, validation and seed);
 - `grpo.dynamic_sampling` filters zero-variance groups as they arrive; the step fills up with others;
 - the loss is `async_grpo.loss`: truncated importance sampling against the generation logprobs is on
   by default, since samples may come from weights up to `max_staleness` versions old;
 - groups of a step are trained in chunks of at least `train_chunk_rows` rows: a chunk's groups become
-  one batch (the rows each rollout worker laid out, stacked: equal to grpo.samples_to_batch over the
+  one batch (the rows each rollout worker laid out, stacked: equal to rollout.rows.samples_to_batch over the
   chunk, advantages per group), get their reference logprobs, and go to the Policy in one
   `train_microbatch` call. The step's gradient is the same as with one call per group (exact global
   normalization); the calls are fewer and larger;
@@ -37,210 +38,36 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
 
-from posttrain.algorithms.advantages import zero_variance_groups
-from posttrain.algorithms.async_engine_worker import (
-    SAMPLES_CODEC,
-    GroupSamples,
-    RolloutConfig,
-    WeightsPayload,
-    attach_rows,
-    engine_config,
-    packed_nbytes,
-    pad_token_id,
-    probe_sync,
-    stack_rows,
-    start_local_workers,
-    start_ray_workers,
-)
-from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController, RunSummary
-from posttrain.algorithms.async_types import PrepareGroup, RolloutWorker
-from posttrain.algorithms.async_workers import PolicyTrainer
-from posttrain.algorithms.checkpointing import CheckpointManager, check_resume_config
-from posttrain.algorithms.grpo import (
-    GRPOConfig,
-    GRPOLoopConfig,
-    GRPORunSections,
-    Run,
-    validate,
-)
-from posttrain.algorithms.losses import ClippedPGLoss
-from posttrain.algorithms.staleness import BufferedGroup, GroupState
-from posttrain.config import dump_config
+from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
+from posttrain.algorithms.async_grpo.contracts import PrepareGroup
+from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunSummary
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup
+from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
+from posttrain.algorithms.checkpointing import CheckpointManager
+from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
+from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
+from posttrain.data.normalization import LossFn
 from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.payload import WeightsPayload, packed_nbytes
+from posttrain.generation.weight_sync import WeightSync
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
-from posttrain.policy.model_init import build_tokenizer, load_full_model, model_config
+from posttrain.models.tokenizer import pad_token_id
+from posttrain.policy.model_init import load_full_model, model_config
 from posttrain.policy.policy import Policy
-from posttrain.tasks.build import build_task
+from posttrain.rollout.advantages import zero_variance_groups
+from posttrain.rollout.contracts import RolloutWorker
+from posttrain.rollout.engine_worker import start_local_workers
+from posttrain.rollout.groups import engine_config, probe_sync
+from posttrain.rollout.rows import SAMPLES_CODEC, GroupSamples
+from posttrain.rollout.validation import validate
 from posttrain.tasks.rewards import RewardError
 from posttrain.tasks.task import Task
 
 log = get_logger(__name__)
 
 
-# --------------------------------------------------------------------------- config
-
-
-def _default_async() -> AsyncGRPOConfig:
-    return AsyncGRPOConfig(num_steps=50, num_epochs=None, target_prompt_groups_per_step=16)
-
-
-# GRPOLoopConfig fields the asynchronous run takes from `async_grpo` instead (name there).
-_MOVED = {
-    "num_prompts_per_step": "target_prompt_groups_per_step",
-    "max_num_steps": "num_steps",
-    "max_num_epochs": "num_epochs",
-    "dynamic_sampling_max_refills": None,
-}
-
-
-class AsyncGRPORunConfig(GRPORunSections):
-    """An asynchronous GRPO run (the shared sections mean the same as in GRPOConfig)."""
-
-    grpo: GRPOLoopConfig = Field(
-        default_factory=GRPOLoopConfig,
-        description="group size, advantages, overlong handling, validation and seed; the step size and "
-        "count come from async_grpo",
-    )
-    async_grpo: AsyncGRPOConfig = Field(
-        default_factory=_default_async, description="steps, staleness, scheduling, bounds and the loss"
-    )
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    train_chunk_rows: int | None = Field(
-        None,
-        ge=1,
-        description="train a step's groups in chunks of at least this many rows, one train_microbatch "
-        "call each (None: the larger of policy.microbatch.train_micro_batch_size and "
-        "logprob_micro_batch_size; 1: one call per group)",
-    )
-    output_dir: str = "runs/grpo_async"
-
-    @model_validator(mode="after")
-    def _check(self) -> AsyncGRPORunConfig:
-        defaults = GRPOLoopConfig()
-        for name, moved_to in _MOVED.items():
-            if getattr(self.grpo, name) != getattr(defaults, name):
-                where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
-                raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
-        return self
-
-
-def sync_equivalent(cfg: AsyncGRPORunConfig) -> GRPOConfig:
-    """The synchronous GRPOConfig with the same model, task, groups, steps and loss (not colocated).
-
-    It configures the rollout workers and validation here, and compares the two loops on equal samples."""
-    a = cfg.async_grpo
-    loop = cfg.grpo.model_copy(
-        update={
-            "num_prompts_per_step": a.target_prompt_groups_per_step,
-            "max_num_steps": a.num_steps or cfg.grpo.max_num_steps,
-            "max_num_epochs": a.num_epochs or cfg.grpo.max_num_epochs,
-        }
-    )
-    return GRPOConfig(
-        policy=cfg.policy,
-        generation=cfg.generation,
-        sampling=cfg.sampling,
-        task=cfg.task,
-        loss=a.loss,
-        grpo=loop,
-        weight_sync=cfg.weight_sync,
-        colocated=False,
-        checkpointing=cfg.checkpointing,
-        logging=cfg.logging,
-        output_dir=cfg.output_dir,
-    )
-
-
 # --------------------------------------------------------------------------- trainer side
-
-
-def groups_to_batch(groups: list[GroupSamples], loop: GRPOLoopConfig, pad_id: int) -> Any:
-    """One training batch of several groups, equal to grpo.samples_to_batch over them (advantages
-    within each group, failed samples masked): the rows the rollout worker laid out, stacked; a group
-    without them (restored from a checkpoint) gets them laid out here."""
-    attach_rows(groups, loop, pad_id)
-    return stack_rows([s.rows for s in groups], pad_id)
-
-
-class ChunkedTrainer(PolicyTrainer):
-    """The Policy as the controller's trainer, fed `GroupSamples` and training them in chunks.
-
-    `train_group` collects groups until they hold `min_rows` rows, then queues the chunk on the
-    policy thread, which turns it into one batch, adds reference (and, with `prev`, prev) logprobs at
-    the open step's weights and calls `train_microbatch`. It does not wait for the chunk: the
-    controller takes the next groups while it trains, and the thread runs the chunks in order, so it
-    goes from one chunk to the next without waiting for the event loop. A chunk that failed surfaces at
-    the next `train_group` or at `finish`, which queues what is left and waits for every chunk before
-    the optimizer step: a step with a failed chunk is aborted, never applied. `abort` drops what is
-    not trained yet (the abort runs on the thread after the chunks queued before it)."""
-
-    def __init__(
-        self,
-        policy: Policy,
-        loop: GRPOLoopConfig,
-        pad_id: int,
-        min_rows: int,
-        reference: bool,
-        prev: bool = True,
-    ):
-        super().__init__(policy)
-        self.loop, self.pad_id, self.min_rows, self.reference = loop, pad_id, min_rows, reference
-        self.prev = prev
-        self._pending: list[GroupSamples] = []  # groups of the next chunk
-        self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
-
-    @property
-    def queued_calls(self) -> int:
-        """Chunks a finish or abort waits for first: those training or queued, and the pending one."""
-        return sum(not f.done() for f in self._queued) + bool(self._pending)
-
-    def _train_chunk(self, groups: list[GroupSamples]) -> None:
-        batch = groups_to_batch(groups, self.loop, self.pad_id)
-        self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))
-
-    def _queue_chunk(self) -> None:
-        chunk, self._pending = self._pending, []
-        if chunk:
-            self._queued.append(self.submit(self._train_chunk, chunk))
-
-    def _raise_failed(self) -> None:
-        """Raise the error of a chunk that has failed; forget the chunks that have trained."""
-        for fut in [f for f in self._queued if f.done()]:
-            self._queued.remove(fut)
-            fut.result()
-
-    def _drop_queued(self) -> None:
-        """Forget the queued chunks (the step is finishing or aborted): results are dropped, and an
-        error not raised yet is logged (the step it belongs to is aborted anyway)."""
-        for fut in self._queued:
-            if not fut.done():
-                fut.cancel()
-            elif not fut.cancelled() and fut.exception() is not None:
-                log.warning("a chunk of the aborted train step failed too: %r", fut.exception())
-        self._queued = []
-
-    async def train_group(self, batch: GroupSamples) -> None:
-        self._raise_failed()
-        self._pending.append(batch)
-        if sum(len(s.results) for s in self._pending) >= self.min_rows:
-            self._queue_chunk()
-
-    async def finish(self) -> dict[str, float]:
-        self._queue_chunk()
-        while self._queued:  # a failed chunk raises here; the controller then aborts the step
-            fut = self._queued[0]
-            try:
-                await fut
-            finally:
-                self._queued.remove(fut)
-        return await super().finish()
-
-    async def abort(self) -> None:
-        self._pending = []
-        self._drop_queued()
-        await super().abort()
 
 
 def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: StepStats) -> PrepareGroup:
@@ -253,7 +80,7 @@ def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: Step
             )
         s: GroupSamples = group.samples
         flat = cfg.grpo.dynamic_sampling and _zero_variance(s)
-        stats.add(group, s, flat)
+        stats.add(s, flat)
         return None if flat else s
 
     return prepare
@@ -268,8 +95,8 @@ def _zero_variance(s: GroupSamples) -> bool:
 def export_fn(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, tokenizer: Any) -> Callable[[], Any]:
     """Runs on the policy thread after every step: the weights payload (a Ray ObjectRef under Ray,
     packed into one byte buffer that every version reuses)."""
-    sync_cfg = sync_equivalent(cfg)
-    sync = probe_sync(sync_cfg, model_config(cfg.policy.model, tokenizer).vocab_size)
+    vocab_size = model_config(cfg.policy.model, tokenizer).vocab_size
+    sync = probe_sync(cfg.weight_sync, vocab_size, cfg.policy.dp_size)
     policy = trainer.policy
     buffer: list[np.ndarray] = []
 
@@ -293,12 +120,10 @@ class StepStats:
     """Rollout metrics of the groups prepared for the current step (rewards, lengths, probe checks)."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[GroupSamples, bool]] = []
-        self.prepared: dict[int, int] = {}  # group id -> prompt (dataset index), over the whole run
+        self.groups: list[tuple[GroupSamples, bool]] = []  # this step's only: emptied by `pop`
 
-    def add(self, group: BufferedGroup, samples: GroupSamples, filtered: bool) -> None:
+    def add(self, samples: GroupSamples, filtered: bool) -> None:
         self.groups.append((samples, filtered))
-        self.prepared[group.group_id] = group.prompt_id
 
     def pop(self) -> dict[str, float]:
         groups, self.groups = self.groups, []
@@ -340,7 +165,7 @@ class AsyncRun:
     controller: AsyncGRPOController
     ckpt: CheckpointManager
     stats: StepStats
-    validator: Run | None  # a synchronous Run over a validation engine in this process (grpo.validate)
+    validator: Validator | None
     actors: list[Any] = field(default_factory=list)  # Ray actor handles (ray backend)
     resumed_step: int = 0
     own_policy: bool = True
@@ -362,16 +187,40 @@ RESUME_MAY_CHANGE = (
 )
 
 
+@dataclass
+class Validator:
+    """A validation engine in this process and its probe check (validation runs on the policy thread)."""
+
+    engine: GenerationEngine
+    sync: WeightSync
+    tokenizer: Any
+
+
+def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
+    """`async_grpo.loss`, taking prev logprobs from its training forward when the trainer skips their
+    separate pass (see the module docstring); warns when stale samples are trained without importance
+    sampling."""
+    loss_cfg: ClippedPGConfig = cfg.async_grpo.loss
+    if skip_prev:
+        loss_cfg = loss_cfg.model_copy(update={"force_on_policy_ratio": True})
+    if cfg.async_grpo.max_staleness > 0 and not loss_cfg.use_importance_sampling_correction:
+        log.warning(
+            "max_staleness=%d trains on samples from older weights but importance-sampling correction is "
+            "off; set async_grpo.loss.use_importance_sampling_correction=true",
+            cfg.async_grpo.max_staleness,
+        )
+    return ClippedPGLoss(loss_cfg)
+
+
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
     weights, controller."""
-    torch.manual_seed(cfg.grpo.seed)
-    own_policy = policy is None
-    policy = policy or Policy(cfg.policy)
-    tokenizer = build_tokenizer(cfg.policy.model)
-    task = build_task(cfg.task, tokenizer)
-    ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
-    extra = _load_checkpoint(cfg, policy, ckpt)
+    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy)
+    policy, tokenizer, task, own_policy = parts.policy, parts.tokenizer, parts.task, parts.own_policy
+    ckpt = CheckpointManager(cfg.checkpointing, parts.out)
+    hint = "resume it with `posttrain grpo`, or set checkpointing.resume=never"
+    extra = resume(policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint)
+    write_config(parts.out, cfg)
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
@@ -382,27 +231,30 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     actors: list[Any] = []
     try:
         if cfg.rollout.backend == "ray":
-            workers, actors = start_ray_workers(sync_equivalent(cfg), cfg.rollout)
+            from posttrain.rollout.ray_worker import start_ray_workers
+
+            workers, actors = start_ray_workers(worker_config(cfg), cfg.rollout)
         else:
-            workers = start_local_workers(sync_equivalent(cfg), cfg.rollout)
+            workers = start_local_workers(worker_config(cfg), cfg.rollout.num_workers)
     except BaseException:
         trainer.close()
         if own_policy:
             policy.shutdown()
         raise
     stats = StepStats()
-    prepare = prepare_samples(cfg, trainer, stats)
     controller = AsyncGRPOController(
-        _controller_cfg(cfg, skip_prev),
+        cfg.async_grpo,
         task.train.items,
         workers,
         trainer,
-        prepare,
+        prepare_samples(cfg, trainer, stats),
+        build_loss(cfg, skip_prev),
         samples_codec=SAMPLES_CODEC,
+        cursor=task.train.new_cursor(cfg.async_grpo.num_epochs),
     )
     if extra is not None:
         controller.load_state_dict(extra["controller"])
-    validator = _build_validator(cfg, policy, task, tokenizer)
+    validator = _build_validator(cfg, task, tokenizer)
     step = int(extra["step"]) if extra is not None else 0
     parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
     run = AsyncRun(*parts, actors=actors, resumed_step=step, own_policy=own_policy)
@@ -440,49 +292,23 @@ def _push_initial_weights(run: AsyncRun) -> None:
     run.controller.weights_preloaded(trainer.version, weights)
 
 
-def _controller_cfg(cfg: AsyncGRPORunConfig, skip_prev: bool) -> AsyncGRPOConfig:
-    """`async_grpo`, with a loss that takes prev logprobs from its training forward when the trainer
-    skips their separate pass (see the module docstring)."""
-    if not skip_prev:
-        return cfg.async_grpo
-    loss = cfg.async_grpo.loss.model_copy(update={"force_on_policy_ratio": True})
-    return cfg.async_grpo.model_copy(update={"loss": loss})
-
-
-def _load_checkpoint(cfg: AsyncGRPORunConfig, policy: Policy, ckpt: CheckpointManager) -> dict | None:
-    path = ckpt.resume_path()
-    if path is None:
-        return None
-    policy.prepare_for_training()
-    extra = policy.load_checkpoint(str(path))
-    if "controller" not in extra:
-        raise ValueError(
-            f"checkpoint {path} has no asynchronous controller state (saved by the synchronous loop?); "
-            "resume it with `posttrain grpo`, or set checkpointing.resume=never"
-        )
-    check_resume_config(extra.get("config", {}), _resume_view(cfg), RESUME_MAY_CHANGE)
-    log.warning("resumed from %s at step %d", path, int(extra["step"]))
-    return extra
-
-
-def _build_validator(cfg: AsyncGRPORunConfig, policy: Policy, task: Task, tokenizer: Any) -> Run | None:
-    """A validation engine in this process, wrapped as a synchronous `Run` for grpo.validate."""
+def _build_validator(cfg: AsyncGRPORunConfig, task: Task, tokenizer: Any) -> Validator | None:
+    """A validation engine in this process (None when the run never validates)."""
     loop = cfg.grpo
     if task.eval is None or not (loop.val_period or loop.val_at_start):
         return None
-    sync_cfg = sync_equivalent(cfg)
     model = load_full_model(cfg.policy.model, tokenizer)
-    engine = GenerationEngine(model, tokenizer, engine_config(sync_cfg, task))
-    sync = probe_sync(sync_cfg, engine.vocab_size)
-    return Run(sync_cfg, policy, engine, task, tokenizer, ClippedPGLoss(cfg.async_grpo.loss), sync)
+    engine = GenerationEngine(model, tokenizer, engine_config(cfg.generation, cfg.sampling, task))
+    sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
+    return Validator(engine, sync, tokenizer)
 
 
 def validate_now(run: AsyncRun) -> dict[str, float]:
-    """Blocking: the validation engine gets the current weights (probe-checked), then grpo.validate."""
+    """Blocking: the validation engine gets the current weights (probe-checked), then validates."""
     v = run.validator
     assert v is not None
-    sync = v.weight_sync.sync_local(run.policy, v.engine, run.trainer.version)
-    out = validate(v)
+    sync = v.sync.sync_local(run.policy, v.engine, run.trainer.version)
+    out = validate(v.engine, run.task, v.tokenizer, run.cfg.sampling, run.cfg.grpo)
     if "probe_max_abs_diff" in sync:
         out["val/weight_sync_probe_max_abs_diff"] = sync["probe_max_abs_diff"]
     return out
@@ -560,13 +386,9 @@ def run_async_grpo(
     cfg: AsyncGRPORunConfig, policy: Policy | None = None, hook: OnStepHook | None = None
 ) -> dict[str, float]:
     """Train with asynchronous GRPO; returns the last step's metrics plus the run summary."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(cfg))
     run = setup(cfg, policy)
-    metrics_log = MetricsLogger(
-        out, cfg.logging.tensorboard, cfg.logging.wandb_project, append=run.resumed_step > 0
-    )
+    out = Path(cfg.output_dir)
+    metrics_log = open_metrics(out, cfg.logging, resumed=run.resumed_step > 0)
     last: dict[str, float] = {}
 
     def keep_last(r: AsyncRun, step: int, metrics: dict[str, float]) -> Awaitable[None] | None:
@@ -597,8 +419,3 @@ def close(run: AsyncRun) -> None:
             ray.kill(a)
     if run.own_policy:
         run.policy.shutdown()
-
-
-def trained_prompt_ids(run: AsyncRun) -> list[int]:
-    """Dataset indices of the prompts of every trained group, in group-id order."""
-    return [run.stats.prepared[g] for g in run.controller.ledger.ids(GroupState.TRAINED)]

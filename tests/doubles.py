@@ -1,8 +1,9 @@
-"""Dry-run parts for the asynchronous GRPO controller: a fake trainer, fake rollout workers, fake data.
+"""Test doubles for the asynchronous GRPO controller: a fake trainer, fake rollout workers, fake data, a
+fake loss, and a `prepare_group` hook over a real Policy.
 
 They follow the real contracts (the split train step of `Policy`, the `RolloutWorker` protocol) and
-check them as they go, with configurable latencies and failures, so the scheduling logic of
-async_grpo.py is tested in seconds without a model, an engine or Ray.
+check them as they go, with configurable latencies and failures, so the scheduling logic of the
+controller is tested in seconds without a model, an engine or Ray.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.algorithms.async_types import GroupResult, RolloutFailure, WorkerLostError
-from posttrain.algorithms.staleness import BufferedGroup
+from posttrain.algorithms.async_grpo.contracts import PrepareGroup, Trainer
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.data.normalization import LossFn
+from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
 
 # (prompt_id, call index on this worker) -> seconds
 Latency = float | Callable[[int, int], float]
@@ -43,7 +45,7 @@ def _held(version: int | None) -> int:
     return -1 if version is None else version
 
 
-class FakeRolloutWorker:
+class FakeRolloutWorker(RolloutWorker):
     """A rollout worker that sleeps instead of generating.
 
     Failure injection, by call index on this worker (0-based) or by prompt id:
@@ -75,8 +77,7 @@ class FakeRolloutWorker:
     ) -> None:
         self.name = name
         self.loads_between_requests = loads_between_requests
-        if batched:
-            self.generate_groups = self._generate_groups
+        self.batches_groups = batched
         self.batch_sizes: list[int] = []  # groups per generate_groups call
         self.latency = latency
         self.group_size = group_size
@@ -126,7 +127,7 @@ class FakeRolloutWorker:
         finally:
             self.active -= 1
 
-    async def _generate_groups(self, prompts: list[dict[str, Any]], weight_version: int) -> list[GroupResult]:
+    async def generate_groups(self, prompts: list[dict[str, Any]], weight_version: int) -> list[GroupResult]:
         self.batch_sizes.append(len(prompts))
         calls = [self.generate_group(p, weight_version) for p in prompts]
         out = await asyncio.gather(*calls, return_exceptions=True)
@@ -210,7 +211,7 @@ def make_fake_prepare(
 
 
 @dataclass
-class FakeTrainer:
+class FakeTrainer(Trainer):
     """The split train step with the semantics of `Policy`, as async calls with latencies and failures.
 
     `fail_on` / `hang_on` map a verb ("begin", "train_group", "finish", "abort", "export_weights") to the
@@ -292,3 +293,27 @@ class FakeTrainer:
         await self._enter("export_weights")
         self.events.append(("export", self._version))
         return {"version": self._version}
+
+
+FAKE_LOSS: LossFn = object()  # type: ignore[assignment]  # the fake trainer only checks it is passed
+
+
+def policy_prepare_group(
+    trainer: Any, to_batch: Callable[[BufferedGroup], Any], reference: bool = True
+) -> PrepareGroup:
+    """A `prepare_group` hook over a `PolicyTrainer`: `to_batch(group)` (None filters the group), then the
+    Policy's logprobs. `reference=False` skips the reference model and copies prev_logprobs in its place."""
+
+    def prepare_blocking(group: BufferedGroup, trainer_version: int) -> Any:
+        if trainer.version != trainer_version:
+            raise RuntimeError(
+                f"group {group.group_id} is prepared for version {trainer_version} but the policy is at "
+                f"{trainer.version}"
+            )
+        batch = to_batch(group)
+        return None if batch is None else trainer.add_logprobs(batch, reference)
+
+    async def prepare(group: BufferedGroup, trainer_version: int) -> Any:
+        return await trainer.call(prepare_blocking, group, trainer_version)
+
+    return prepare

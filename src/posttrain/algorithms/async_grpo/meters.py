@@ -45,13 +45,17 @@ class StepMeter:
     """Per-step and cumulative counters plus the windows needed for idle fractions and rates."""
 
     def __init__(
-        self, clock: Callable[[], float], max_staleness: int, trainer_busy: Callable[[], float] | None = None
+        self,
+        clock: Callable[[], float],
+        max_staleness: int,
+        trainer_busy: Callable[[], float | None] | None = None,
     ) -> None:
         self.clock = clock
         self.max_staleness = max_staleness
         self.totals: Counter[str] = Counter({k: 0 for k in COUNTERS})
-        # Trainer idle: with `trainer_busy` (cumulative seconds the trainer spent working, on `clock`),
-        # the time it was not working; without it, the time the controller waited for groups.
+        # Trainer idle: with `trainer_busy` (cumulative seconds the trainer spent working, on `clock`, or
+        # None when it does not know), the time it was not working; else the time the controller waited
+        # for groups.
         self.trainer_busy = trainer_busy
         self.trainer_idle = BusyMeter(clock)
         self._window_start = clock()
@@ -96,8 +100,9 @@ class StepMeter:
 
     def _idle_total(self) -> float:
         """Cumulative trainer idle seconds (only differences between two readings are meaningful)."""
-        if self.trainer_busy is not None:
-            return self.clock() - self.trainer_busy()
+        busy = self.trainer_busy() if self.trainer_busy is not None else None
+        if busy is not None:
+            return self.clock() - busy
         return self.trainer_idle.total()
 
     def state_dict(self) -> dict[str, Any]:

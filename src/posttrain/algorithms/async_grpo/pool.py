@@ -24,75 +24,26 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from posttrain.algorithms.async_metrics import BusyMeter, StepMeter
-from posttrain.algorithms.async_types import (
+from posttrain.algorithms.async_grpo.config import AsyncGRPOConfig
+from posttrain.algorithms.async_grpo.contracts import (
     AsyncGRPOError,
-    GroupResult,
     NoRolloutWorkersError,
     RetryBudgetExhausted,
-    RolloutFailure,
-    RolloutWorker,
     WaitTimeout,
-    WorkerLostError,
     bounded,
 )
-from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState, Ledger
+from posttrain.algorithms.async_grpo.meters import BusyMeter, StepMeter
 from posttrain.logging import get_logger
-
-if TYPE_CHECKING:
-    from posttrain.algorithms.async_grpo import AsyncGRPOConfig
+from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
+from posttrain.tasks.datasets import PromptCursor
 
 log = get_logger(__name__)
-
-
-class DataCursor:
-    """Position in the prompt dataset: epoch and index into that epoch's (seeded) order."""
-
-    def __init__(self, size: int, num_epochs: int | None, shuffle: bool, seed: int) -> None:
-        self.size, self.num_epochs, self.shuffle, self.seed = size, num_epochs, shuffle, seed
-        self.epoch = 0
-        self.position = 0
-        self._order: tuple[int, list[int]] | None = None
-
-    @property
-    def exhausted(self) -> bool:
-        return self.size == 0 or (self.num_epochs is not None and self.epoch >= self.num_epochs)
-
-    def _epoch_order(self) -> list[int]:
-        if self._order is None or self._order[0] != self.epoch:
-            order = list(range(self.size))
-            if self.shuffle:
-                random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-            self._order = (self.epoch, order)
-        return self._order[1]
-
-    def next(self) -> int | None:
-        """The next prompt index, or None at the end of the last epoch."""
-        if self.exhausted:
-            return None
-        index = self._epoch_order()[self.position]
-        self.position += 1
-        if self.position == self.size:
-            self.epoch, self.position = self.epoch + 1, 0
-        return index
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "size": self.size, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["size"] != self.size:
-            raise ValueError(
-                f"the checkpoint's data position is for a dataset of {state['size']} prompts but this one has "
-                f"{self.size}; resume with the same dataset"
-            )
-        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
 
 
 @dataclass
@@ -124,7 +75,7 @@ class _Slot:
     @property
     def early(self) -> bool:
         """Whether the worker takes weights while requests run (`loads_between_requests`)."""
-        return bool(getattr(self.worker, "loads_between_requests", False))
+        return self.worker.loads_between_requests
 
     def request_version(self) -> int | None:
         """The weights a request sent to this worker now runs with (None: it takes none now). A worker
@@ -146,6 +97,7 @@ class RolloutPool:
         self,
         cfg: AsyncGRPOConfig,
         dataset: Sequence[Any],
+        cursor: PromptCursor,
         workers: Sequence[RolloutWorker],
         ledger: Ledger,
         meter: StepMeter,
@@ -154,6 +106,14 @@ class RolloutPool:
     ) -> None:
         if not workers:
             raise ValueError("asynchronous GRPO needs at least one rollout worker")
+        for w in workers:
+            if not isinstance(w, RolloutWorker):
+                raise TypeError(
+                    f"{type(w).__name__} is not a RolloutWorker: subclass posttrain.rollout.contracts."
+                    "RolloutWorker (its capability flags have defaults there) or give it generate_group, "
+                    "generate_groups, set_weights and the flags batches_groups, loads_between_requests, "
+                    "serial_calls"
+                )
         self.cfg = cfg
         self.dataset = dataset
         self.workers = list(workers)
@@ -161,7 +121,7 @@ class RolloutPool:
         self.meter = meter
         self.on_group = on_group
         self.held = held
-        self.cursor = DataCursor(len(dataset), cfg.num_epochs, cfg.shuffle, cfg.seed)
+        self.cursor = cursor
         self.next_group_id = 0
         self.retry: deque[Request] = deque()
         self.in_flight: dict[int, tuple[_Slot, Request, asyncio.Task]] = {}
@@ -178,8 +138,8 @@ class RolloutPool:
         self.stopping, self.fatal, self.paused = False, None, True
         self.wake = asyncio.Event()
         if not self.slots:
-            now = time.monotonic()
-            self.slots = [_Slot(i, w, BusyMeter(time.monotonic), now) for i, w in enumerate(self.workers)]
+            now = self.meter.clock()
+            self.slots = [_Slot(i, w, BusyMeter(self.meter.clock), now) for i, w in enumerate(self.workers)]
             for slot in self.slots:
                 slot.version = self.published_version  # loaded before the run (`preloaded`), or None
 
@@ -220,7 +180,7 @@ class RolloutPool:
 
     def generation_time(self) -> tuple[float, float]:
         """(busy seconds, alive seconds) summed over all rollout workers so far."""
-        now = time.monotonic()
+        now = self.meter.clock()
         busy = sum(s.meter.total(now) for s in self.slots)  # one clock reading: busy <= alive
         alive = sum((s.retired_at if s.retired_at is not None else now) - s.started_at for s in self.slots)
         return busy, alive
@@ -308,7 +268,7 @@ class RolloutPool:
             room = min(room, self.cfg.max_in_flight_per_worker - len(slot.in_flight))
             if self.cfg.max_groups_per_call is not None:
                 room = min(room, self.cfg.max_groups_per_call)
-            if getattr(slot.worker, "generate_groups", None) is None:
+            if not slot.worker.batches_groups:
                 room = 1
             reqs = self._take_requests(room)
             if not reqs:
@@ -340,7 +300,7 @@ class RolloutPool:
         # the request may first wait for its weights to load, and, on a worker that runs its calls one
         # at a time, for the requests in flight there: their bounds are added to its own
         extra = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
-        if getattr(slot.worker, "serial_calls", False):
+        if slot.worker.serial_calls:
             extra += self.cfg.request_timeout_s * len(slot.in_flight)
         task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version, extra))
         for req in reqs:
@@ -473,7 +433,7 @@ class RolloutPool:
         if not slot.alive:
             return
         log.warning("rollout worker %d retired: %s", slot.index, reason)
-        slot.alive, slot.reason, slot.retired_at = False, reason, time.monotonic()
+        slot.alive, slot.reason, slot.retired_at = False, reason, self.meter.clock()
         for group_id in sorted(slot.in_flight):
             _, req, task = self._untrack(group_id)
             task.cancel()

@@ -1,6 +1,6 @@
 """Streaming asynchronous GRPO: rollout workers and the trainer run at once, with bounded staleness.
 
-Departures from the synchronous loop (grpo.py): a step does not wait for a whole batch of prompts.
+Departures from the synchronous loop (algorithms/grpo.py): a step does not wait for a whole batch of prompts.
 Rollout workers stream finished prompt groups into a buffer; the trainer takes them one at a time
 (the staleness sampler admits only groups whose generating weights are at most `max_staleness`
 versions behind), prepares each (advantages, logprobs) and runs `train_microbatch` on it, and closes
@@ -11,10 +11,11 @@ against the generation logprobs is on by default.
 
 Everything runs on one asyncio event loop and nothing here blocks it: each rollout request and each
 weight push is a task whose completion callback updates the buffer and hands out more work (the
-generation side lives in rollout_pool.py); the trainer is the `run()` coroutine. Every wait is bounded. A worker that dies or times out is retired
+generation side lives in pool.py); the trainer is the `run()` coroutine. Every wait is bounded. A
+worker that dies or times out is retired
 and its in-flight groups are re-queued (bounded retries); a failed generation or reward is retried,
 never trained; a trainer failure aborts the open step, puts its groups back in the buffer and raises
-`TrainerError`. The ledger (staleness.py) tracks every group so none is trained twice or lost.
+`TrainerError`. The ledger (ledger.py) tracks every group so none is trained twice or lost.
 """
 
 from __future__ import annotations
@@ -22,120 +23,31 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
-
-from posttrain.algorithms.async_metrics import StepMeter
-from posttrain.algorithms.async_types import (
+from posttrain.algorithms.async_grpo.config import AsyncGRPOConfig
+from posttrain.algorithms.async_grpo.contracts import (
     AsyncGRPOError,
     OnStep,
     PrepareGroup,
-    RolloutWorker,
-    SamplesCodec,
     Trainer,
     TrainerError,
     WaitTimeout,
     bounded,
 )
-from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
-from posttrain.algorithms.rollout_pool import Request, RolloutPool
-from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger, Selection, StalenessSampler
-from posttrain.config import Config
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState, Ledger, StalenessSampler
+from posttrain.algorithms.async_grpo.meters import StepMeter
+from posttrain.algorithms.async_grpo.pool import Request, RolloutPool
 from posttrain.data.normalization import LossFn
 from posttrain.logging import get_logger
+from posttrain.rollout.contracts import RolloutWorker, SamplesCodec
+from posttrain.tasks.datasets import PromptCursor
 
 log = get_logger(__name__)
 
 STATE_FORMAT = 1
-
-
-def _async_loss_defaults() -> ClippedPGConfig:
-    return ClippedPGConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis")
-
-
-class AsyncGRPOConfig(Config):
-    """Scheduling of the asynchronous GRPO loop."""
-
-    num_steps: int | None = Field(None, ge=1, description="stop after this many steps (None: at data end)")
-    num_epochs: int | None = Field(1, ge=1, description="passes over the prompts (None: loop forever)")
-    shuffle: bool = Field(True, description="shuffle the prompt order of each epoch")
-    seed: int = Field(0, description="seed of the per-epoch shuffle")
-    target_prompt_groups_per_step: int = Field(8, ge=1, description="groups trained per optimizer step")
-    max_staleness: int = Field(
-        1, ge=0, description="admit groups generated at most this many versions behind the trainer"
-    )
-    selection: Selection = Field(
-        "fresh_first", description="among eligible groups: smallest lag first, or largest; then oldest"
-    )
-    max_in_flight_per_worker: int = Field(
-        4,
-        ge=1,
-        description="groups in flight per rollout worker (the groups of one call share the engine's "
-        "batch; a Ray rollout actor runs its calls one after another)",
-    )
-    max_groups_per_call: int | None = Field(
-        None,
-        ge=1,
-        description="groups one generate call carries (default: all that fit in max_in_flight_per_worker); "
-        "half of max_in_flight_per_worker keeps a second call queued on a Ray rollout actor, which then "
-        "starts it as soon as the first returns instead of idling for a round trip",
-    )
-    max_outstanding_groups: int | None = Field(
-        None,
-        ge=1,
-        description="cap on groups in flight, buffered or in the open step "
-        "(default target_prompt_groups_per_step * (max_staleness + 1))",
-    )
-    max_retries: int = Field(2, ge=0, description="re-admissions of one group after failures")
-    on_retries_exhausted: Literal["raise", "drop"] = Field(
-        "raise", description="raise: stop with RetryBudgetExhausted; drop: count it failed and go on"
-    )
-    min_alive_workers: int = Field(1, ge=1, description="stop with an error when fewer workers are left")
-    max_consecutive_worker_errors: int = Field(
-        3, ge=1, description="retire a worker after this many unexplained request errors in a row"
-    )
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="bound on generating one group (a call carrying k groups gets k times this)"
-    )
-    weight_sync_timeout_s: float = Field(300.0, gt=0, description="bound on one set_weights call")
-    trainer_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="bound on each trainer call (one that first waits for k calls the trainer has queued, "
-        "e.g. finish after k chunks still training, gets k+1 times this)",
-    )
-    admission_timeout_s: float = Field(1800.0, gt=0, description="bound on waiting for the next group")
-    shutdown_timeout_s: float = Field(30.0, gt=0, description="bound on cancelling requests at the end")
-    loss: ClippedPGConfig = Field(
-        default_factory=_async_loss_defaults,
-        description="loss when none is passed; importance sampling (TIS) on by default",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> AsyncGRPOConfig:
-        if self.num_steps is None and self.num_epochs is None:
-            raise ValueError("set num_steps or num_epochs (or both); with neither the run never ends")
-        cap = self.max_outstanding_groups
-        if cap is not None and cap < self.target_prompt_groups_per_step:
-            raise ValueError(
-                f"max_outstanding_groups={cap} is below target_prompt_groups_per_step="
-                f"{self.target_prompt_groups_per_step}, so a step could never fill; raise it or leave it unset"
-            )
-        per_call = self.max_groups_per_call
-        if per_call is not None and per_call > self.max_in_flight_per_worker:
-            raise ValueError(
-                f"max_groups_per_call={per_call} is above max_in_flight_per_worker="
-                f"{self.max_in_flight_per_worker}, so a call could never carry that many; lower it or raise "
-                "max_in_flight_per_worker"
-            )
-        return self
-
-    @property
-    def outstanding_cap(self) -> int:
-        return self.max_outstanding_groups or self.target_prompt_groups_per_step * (self.max_staleness + 1)
 
 
 @dataclass
@@ -160,40 +72,30 @@ class AsyncGRPOController:
         workers: Sequence[RolloutWorker],
         trainer: Trainer,
         prepare_group: PrepareGroup,
-        loss_fn: LossFn | None = None,
+        loss_fn: LossFn,
         samples_codec: SamplesCodec | None = None,
+        cursor: PromptCursor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`dataset[i]` is the prompt sent to a worker for index i, drawn in the order of `cursor` (default:
+        `cfg.num_epochs` passes over it, shuffled by `cfg.seed`); `clock` times every wait and metric."""
         self.cfg = cfg
         self.trainer = trainer
         self.prepare_group = prepare_group
-        self.loss_fn = self._build_loss(cfg, loss_fn)
+        self.loss_fn = loss_fn
         self.samples_codec = samples_codec
+        self.clock = clock
         self.sampler = StalenessSampler(cfg.max_staleness, cfg.selection)
         self.ledger = Ledger()
-        busy = getattr(trainer, "busy_seconds", None)  # optional: the trainer's own working time
-        self.meter = StepMeter(time.monotonic, cfg.max_staleness, busy)
-        self.pool = RolloutPool(cfg, dataset, workers, self.ledger, self.meter, self._on_group, self._held)
+        self.meter = StepMeter(clock, cfg.max_staleness, trainer.busy_seconds)
+        if cursor is None:
+            cursor = PromptCursor(len(dataset), seed=cfg.seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs)
+        self.pool = RolloutPool(cfg, dataset, cursor, workers, self.ledger, self.meter, self._on_group, self._held)
         self.step = 0
         self.trainer_version = trainer.version
         self._step_groups = 0  # groups taken into the open step (they count against the cap)
         self._in_step = False
         self._running = False
-
-    @staticmethod
-    def _build_loss(cfg: AsyncGRPOConfig, loss_fn: LossFn | None) -> LossFn:
-        if loss_fn is None:
-            loss_fn = ClippedPGLoss(cfg.loss)
-        elif "loss" in cfg.model_fields_set:
-            log.warning("AsyncGRPOConfig.loss is ignored because a loss_fn was passed")
-        loss_cfg = getattr(loss_fn, "cfg", None)
-        if cfg.max_staleness > 0 and isinstance(loss_cfg, ClippedPGConfig):
-            if not loss_cfg.use_importance_sampling_correction:
-                log.warning(
-                    "max_staleness=%d trains on samples from older weights but importance-sampling "
-                    "correction is off; set loss.use_importance_sampling_correction=true",
-                    cfg.max_staleness,
-                )
-        return loss_fn
 
     def weights_preloaded(self, version: int, weights: Any) -> None:
         """Every rollout worker already holds the trainer's weights `version` (pushed before `run()`,
@@ -282,7 +184,7 @@ class AsyncGRPOController:
 
     async def _next_group(self) -> BufferedGroup | None:
         """The next eligible group, or None when the data is used up and nothing is left in flight."""
-        deadline = time.monotonic() + self.cfg.admission_timeout_s
+        deadline = self.clock() + self.cfg.admission_timeout_s
         while True:
             self.pool.fill()
             if self.pool.fatal is not None:
@@ -295,7 +197,7 @@ class AsyncGRPOController:
             self.pool.wake.clear()
             self.meter.trainer_idle.start()
             try:
-                await asyncio.wait_for(self.pool.wake.wait(), max(deadline - time.monotonic(), 0.0))
+                await asyncio.wait_for(self.pool.wake.wait(), max(deadline - self.clock(), 0.0))
             except asyncio.TimeoutError:
                 raise AsyncGRPOError(
                     f"no prompt group became eligible within admission_timeout_s="
@@ -310,7 +212,7 @@ class AsyncGRPOController:
     def _trainer_bound(self) -> float:
         """trainer_timeout_s for the call, plus as much for each call the trainer has queued before it
         (`queued_calls`, optional: a trainer that trains groups while the controller goes on)."""
-        return self.cfg.trainer_timeout_s * (1 + getattr(self.trainer, "queued_calls", 0))
+        return self.cfg.trainer_timeout_s * (1 + self.trainer.queued_calls)
 
     async def _trainer_call(self, what: str, aw: Awaitable[Any]) -> Any:
         try:

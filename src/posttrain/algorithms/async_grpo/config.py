@@ -1,0 +1,158 @@
+"""The configs of asynchronous GRPO: the controller's scheduling (`AsyncGRPOConfig`, the `async_grpo:`
+section) and a whole run (`AsyncGRPORunConfig`: the sections of a synchronous run that mean the same
+here, plus `async_grpo`, `rollout` and the trainer's chunking)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.algorithms.async_grpo.ledger import Selection
+from posttrain.algorithms.grpo import GRPOLoopConfig, GRPORunSections
+from posttrain.algorithms.losses import ClippedPGConfig
+from posttrain.config import Config
+from posttrain.rollout.config import RolloutConfig, RolloutWorkerConfig
+
+
+def _async_loss_defaults() -> ClippedPGConfig:
+    return ClippedPGConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis")
+
+
+class AsyncGRPOConfig(Config):
+    """Scheduling of the asynchronous GRPO loop."""
+
+    num_steps: int | None = Field(None, ge=1, description="stop after this many steps (None: at data end)")
+    num_epochs: int | None = Field(1, ge=1, description="passes over the prompts (None: loop forever)")
+    shuffle: bool = Field(True, description="shuffle the prompt order of each epoch")
+    seed: int = Field(0, description="seed of the per-epoch shuffle")
+    target_prompt_groups_per_step: int = Field(8, ge=1, description="groups trained per optimizer step")
+    max_staleness: int = Field(
+        1, ge=0, description="admit groups generated at most this many versions behind the trainer"
+    )
+    selection: Selection = Field(
+        "fresh_first", description="among eligible groups: smallest lag first, or largest; then oldest"
+    )
+    max_in_flight_per_worker: int = Field(
+        4,
+        ge=1,
+        description="groups in flight per rollout worker (the groups of one call share the engine's "
+        "batch; a Ray rollout actor runs its calls one after another)",
+    )
+    max_groups_per_call: int | None = Field(
+        None,
+        ge=1,
+        description="groups one generate call carries (default: all that fit in max_in_flight_per_worker); "
+        "half of max_in_flight_per_worker keeps a second call queued on a Ray rollout actor, which then "
+        "starts it as soon as the first returns instead of idling for a round trip",
+    )
+    max_outstanding_groups: int | None = Field(
+        None,
+        ge=1,
+        description="cap on groups in flight, buffered or in the open step "
+        "(default target_prompt_groups_per_step * (max_staleness + 1))",
+    )
+    max_retries: int = Field(2, ge=0, description="re-admissions of one group after failures")
+    on_retries_exhausted: Literal["raise", "drop"] = Field(
+        "raise", description="raise: stop with RetryBudgetExhausted; drop: count it failed and go on"
+    )
+    min_alive_workers: int = Field(1, ge=1, description="stop with an error when fewer workers are left")
+    max_consecutive_worker_errors: int = Field(
+        3, ge=1, description="retire a worker after this many unexplained request errors in a row"
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="bound on generating one group (a call carrying k groups gets k times this)"
+    )
+    weight_sync_timeout_s: float = Field(300.0, gt=0, description="bound on one set_weights call")
+    trainer_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="bound on each trainer call (one that first waits for k calls the trainer has queued, "
+        "e.g. finish after k chunks still training, gets k+1 times this)",
+    )
+    admission_timeout_s: float = Field(1800.0, gt=0, description="bound on waiting for the next group")
+    shutdown_timeout_s: float = Field(30.0, gt=0, description="bound on cancelling requests at the end")
+    loss: ClippedPGConfig = Field(
+        default_factory=_async_loss_defaults,
+        description="loss when none is passed; importance sampling (TIS) on by default",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AsyncGRPOConfig:
+        if self.num_steps is None and self.num_epochs is None:
+            raise ValueError("set num_steps or num_epochs (or both); with neither the run never ends")
+        cap = self.max_outstanding_groups
+        if cap is not None and cap < self.target_prompt_groups_per_step:
+            raise ValueError(
+                f"max_outstanding_groups={cap} is below target_prompt_groups_per_step="
+                f"{self.target_prompt_groups_per_step}, so a step could never fill; raise it or leave it unset"
+            )
+        per_call = self.max_groups_per_call
+        if per_call is not None and per_call > self.max_in_flight_per_worker:
+            raise ValueError(
+                f"max_groups_per_call={per_call} is above max_in_flight_per_worker="
+                f"{self.max_in_flight_per_worker}, so a call could never carry that many; lower it or raise "
+                "max_in_flight_per_worker"
+            )
+        return self
+
+    @property
+    def outstanding_cap(self) -> int:
+        return self.max_outstanding_groups or self.target_prompt_groups_per_step * (self.max_staleness + 1)
+
+
+def _default_async() -> AsyncGRPOConfig:
+    return AsyncGRPOConfig(num_steps=50, num_epochs=None, target_prompt_groups_per_step=16)
+
+
+# GRPOLoopConfig fields the asynchronous run takes from `async_grpo` instead (name there).
+_MOVED = {
+    "num_prompts_per_step": "target_prompt_groups_per_step",
+    "max_num_steps": "num_steps",
+    "max_num_epochs": "num_epochs",
+    "dynamic_sampling_max_refills": None,
+}
+
+
+class AsyncGRPORunConfig(GRPORunSections):
+    """An asynchronous GRPO run (the shared sections mean the same as in GRPOConfig)."""
+
+    grpo: GRPOLoopConfig = Field(
+        default_factory=GRPOLoopConfig,
+        description="group size, advantages, overlong handling, validation and seed; the step size and "
+        "count come from async_grpo",
+    )
+    async_grpo: AsyncGRPOConfig = Field(
+        default_factory=_default_async, description="steps, staleness, scheduling, bounds and the loss"
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train_chunk_rows: int | None = Field(
+        None,
+        ge=1,
+        description="train a step's groups in chunks of at least this many rows, one train_microbatch "
+        "call each (None: the larger of policy.microbatch.train_micro_batch_size and "
+        "logprob_micro_batch_size; 1: one call per group)",
+    )
+    output_dir: str = "runs/grpo_async"
+
+    @model_validator(mode="after")
+    def _check(self) -> AsyncGRPORunConfig:
+        defaults = GRPOLoopConfig()
+        for name, moved_to in _MOVED.items():
+            if getattr(self.grpo, name) != getattr(defaults, name):
+                where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
+                raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
+        return self
+
+
+def worker_config(cfg: AsyncGRPORunConfig) -> RolloutWorkerConfig:
+    """What each engine rollout worker of the run is built from."""
+    return RolloutWorkerConfig(
+        model=cfg.policy.model,
+        generation=cfg.generation,
+        sampling=cfg.sampling,
+        task=cfg.task,
+        group=cfg.grpo,
+        weight_sync=cfg.weight_sync,
+        dp_size=cfg.policy.dp_size,
+    )

@@ -1,0 +1,101 @@
+"""Sampling and scoring prompt groups, the same for the synchronous and the asynchronous loop.
+
+A group is `num_generations_per_prompt` completions of one prompt. Sample k of a group draws from the
+engine's random stream k of the group's seed, so every sample is reproducible and distinct. Scoring
+marks failed rewards (NaN, `failed`): they are excluded from advantages and counted, never entered as 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
+from posttrain.parallel.mesh import default_device
+from posttrain.rollout.config import GroupConfig
+from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.task import Task
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """The seed of one synchronous step's prompt batch (`salt`: the refill attempt)."""
+    return (seed * 1_000_003 + step * 10_007 + salt * 101) % (2**31)
+
+
+def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
+    """The seed of one asynchronous group: the same prompt at the same weights draws the same
+    completions, whatever worker generates it (a retried group is drawn again identically)."""
+    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + 17) % (2**31)
+
+
+def validation_seed(seed: int, row: int) -> int:
+    """The seed of held-out row `row` (pass@k with k > 1 samples)."""
+    return seed * 7919 + row
+
+
+def engine_config(generation: GenerationConfig, sampling: SamplingParams, task: Task) -> GenerationConfig:
+    """The engine's config as the loops use it: on the default device unless set, and a KV cache no
+    longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
+    gen = generation
+    if gen.device is None:
+        gen = gen.model_copy(update={"device": str(default_device())})
+    if gen.max_model_len is None:
+        splits = [ds for ds in (task.train, task.eval) if ds is not None]
+        longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
+        gen = gen.model_copy(update={"max_model_len": longest + sampling.max_new_tokens})
+    return gen
+
+
+def probe_sync(cfg: WeightSyncConfig, vocab_size: int, dp_size: int) -> WeightSync:
+    """The probe batch and its check, built identically on the trainer side and in every worker."""
+    return WeightSync(cfg, vocab_size, dp_size=dp_size)
+
+
+def sample_groups(
+    engine: GenerationEngine, items: list[PromptItem], group_size: int, sampling: SamplingParams, seed: int
+) -> list[GenerationResult]:
+    """`group_size` completions for each prompt, flattened in group order. One seed per call: the
+    engine gives sample i its own random stream (seed, i)."""
+    prompts = [list(it.prompt_token_ids) for it in items for _ in range(group_size)]
+    return engine.generate(prompts, sampling.model_copy(update={"seed": seed}))
+
+
+def decode_completions(tokenizer: Any, results: list[GenerationResult]) -> list[str]:
+    """Completion texts; identical completions (frequent in a group of short answers) decoded once."""
+    seen: dict[tuple[int, ...], str] = {}
+    out = []
+    for r in results:
+        key = tuple(r.token_ids)
+        if key not in seen:
+            seen[key] = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        out.append(seen[key])
+    return out
+
+
+def score(
+    task: Task,
+    tokenizer: Any,
+    items: list[PromptItem],
+    results: list[GenerationResult],
+    group: GroupConfig,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Rewards and failure flags of `results` (`group.num_generations_per_prompt` per item, in group
+    order): failed rewards are NaN and flagged, never zeroed; with DAPO overlong shaping."""
+    g = group.num_generations_per_prompt
+    flat = [it for it in items for _ in range(g)]
+    texts = decode_completions(tokenizer, results)
+    res = task.reward([it.prompt for it in flat], texts, [it.metadata for it in flat])
+    rewards = torch.tensor(
+        [float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32
+    )
+    failed = torch.tensor(res.failed, dtype=torch.bool)
+    if group.overlong_reward_shaping:
+        lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
+        over = (lengths - (max_new_tokens - group.overlong_buffer_length)).clamp(min=0)
+        over = over / group.overlong_buffer_length
+        rewards = rewards - group.overlong_penalty * over.clamp(max=1.0)
+    return rewards, failed, res.summary()
