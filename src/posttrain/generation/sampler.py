@@ -46,6 +46,16 @@ def mix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+def derive_seed(*parts: int) -> int:
+    """One seed (31 bits, non-negative) from several integers (a base seed, a purpose tag, indices):
+    each part is folded in through the SplitMix64 finalizer, so nearby inputs give unrelated seeds.
+    Every seed a loop derives (a step's prompt batch, a group, a validation row) comes from here."""
+    h = mix64(_GAMMA)
+    for part in parts:
+        h = mix64((h ^ (part & _MASK64)) + _GAMMA)
+    return h >> 33
+
+
 def request_key(seed: int, stream: int) -> int:
     """The stream key (signed int64) of a request with this seed and stream index."""
     return _signed(mix64(mix64((seed + _GAMMA) & _MASK64) + (stream + 1) * _GAMMA))

@@ -13,6 +13,7 @@ import torch
 
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.sampler import derive_seed
 from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
 from posttrain.parallel.mesh import default_device
 from posttrain.rollout.config import GroupConfig
@@ -20,20 +21,24 @@ from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
 
+# purpose tags: seeds derived for different purposes never coincide
+_STEP, _GROUP, _VALIDATION = 1, 2, 3
+
+
 def step_seed(seed: int, step: int, salt: int) -> int:
     """The seed of one synchronous step's prompt batch (`salt`: the refill attempt)."""
-    return (seed * 1_000_003 + step * 10_007 + salt * 101) % (2**31)
+    return derive_seed(seed, _STEP, step, salt)
 
 
 def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
     """The seed of one asynchronous group: the same prompt at the same weights draws the same
     completions, whatever worker generates it (a retried group is drawn again identically)."""
-    return (seed * 1_000_003 + prompt_id * 10_007 + weight_version * 7_919 + 17) % (2**31)
+    return derive_seed(seed, _GROUP, prompt_id, weight_version)
 
 
 def validation_seed(seed: int, row: int) -> int:
     """The seed of held-out row `row` (pass@k with k > 1 samples)."""
-    return seed * 7919 + row
+    return derive_seed(seed, _VALIDATION, row)
 
 
 def engine_config(generation: GenerationConfig, sampling: SamplingParams, task: Task) -> GenerationConfig:
