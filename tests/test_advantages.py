@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.algorithms.advantages import group_advantages, zero_variance_groups
+from posttrain.rollout.advantages import group_advantages, zero_variance_groups
 
 
 def test_group_mean_baseline_with_std_scaling():

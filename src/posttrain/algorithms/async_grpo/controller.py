@@ -350,7 +350,7 @@ class AsyncGRPOController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()` into a fresh controller (before `run()`)."""
-        if self._running or self.ledger.states:
+        if self._running or self.ledger.retained():
             raise RuntimeError("load_state_dict() needs a fresh controller that has not run yet")
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")

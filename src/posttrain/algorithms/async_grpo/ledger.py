@@ -12,6 +12,7 @@ reconstructed afterwards.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -126,28 +127,92 @@ _ALLOWED: dict[GroupState | None, set[GroupState]] = {
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.FILTERED, GroupState.DROPPED_STALE, GroupState.FAILED})
 
 
-class Ledger:
-    """The state of every group this controller has created; illegal transitions raise AssertionError."""
+class _IdRanges:
+    """A set of integer ids kept as sorted, merged [start, end) intervals: groups end in id order give or
+    take the ones in flight, so a run's terminal ids stay a handful of intervals however long it runs."""
 
     def __init__(self) -> None:
-        self.states: dict[int, GroupState] = {}
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def __contains__(self, x: int) -> bool:
+        i = bisect.bisect_right(self.starts, x) - 1
+        return i >= 0 and x < self.ends[i]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def add(self, x: int) -> None:
+        i = bisect.bisect_right(self.starts, x) - 1
+        if i >= 0 and x < self.ends[i]:
+            return
+        joins_left = i >= 0 and self.ends[i] == x
+        joins_right = i + 1 < len(self.starts) and self.starts[i + 1] == x + 1
+        if joins_left and joins_right:
+            self.ends[i] = self.ends[i + 1]
+            del self.starts[i + 1], self.ends[i + 1]
+        elif joins_left:
+            self.ends[i] = x + 1
+        elif joins_right:
+            self.starts[i + 1] = x
+        else:
+            self.starts.insert(i + 1, x)
+            self.ends.insert(i + 1, x + 1)
+
+
+class Ledger:
+    """The state of every group this controller has created; illegal transitions raise AssertionError.
+
+    Only live groups (pending, in flight, buffered, training) are kept by id. A group that reaches a
+    terminal state is counted and its id goes into a compact interval set, so a run of any length holds
+    state for the groups in flight, never for every group it has seen; moving a terminal group again
+    still raises."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, GroupState] = {}  # live groups only
+        self._ended = _IdRanges()
+        self._terminal_counts = {s: 0 for s in TERMINAL}
+
+    def state(self, group_id: int) -> GroupState | None:
+        """The live state of a group; None if it never existed or has ended (see `ended`)."""
+        return self.states.get(group_id)
+
+    def ended(self, group_id: int) -> bool:
+        return group_id in self._ended
 
     def move(self, group_id: int, new: GroupState) -> None:
         old = self.states.get(group_id)
+        if old is None and group_id in self._ended:
+            raise AssertionError(f"ledger: group {group_id} has ended and cannot go to {new.value}")
         if new not in _ALLOWED.get(old, set()):
             raise AssertionError(
                 f"ledger: group {group_id} cannot go from {old.value if old else 'new'} to {new.value}"
             )
-        self.states[group_id] = new
+        if new in TERMINAL:
+            self.states.pop(group_id, None)
+            self._ended.add(group_id)
+            self._terminal_counts[new] += 1
+        else:
+            self.states[group_id] = new
 
     def ids(self, state: GroupState) -> list[int]:
+        """The ids of the live groups in `state` (ended groups are counted, not listed)."""
+        if state in TERMINAL:
+            raise ValueError(f"{state.value} groups are counted, not kept by id; use counts()")
         return sorted(g for g, s in self.states.items() if s == state)
 
     def counts(self) -> dict[str, int]:
         out = {s.value: 0 for s in GroupState}
         for s in self.states.values():
             out[s.value] += 1
+        for s, n in self._terminal_counts.items():
+            out[s.value] = n
         return out
+
+    def retained(self) -> int:
+        """How many entries the ledger holds (live groups + intervals of ended ids): bounded by the
+        groups in flight, not by the length of the run."""
+        return len(self.states) + len(self._ended)
 
     def check_settled(self) -> None:
         """Every group is terminal, buffered or pending (none is stuck in flight or in a step)."""
