@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, result_line  # noqa: E402
+from _common import ChildDied, median, require, result_line, run_main  # noqa: E402
 
 from posttrain.algorithms import grpo  # noqa: E402
 from posttrain.algorithms.async_grpo_run import (  # noqa: E402
@@ -117,7 +117,14 @@ def parallel_capacity(seconds: float) -> tuple[float, float]:
     for n in (1, 2):
         cmd = [sys.executable, "-c", SPIN.format(seconds=seconds)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
-        cpu = sum(float(pr.communicate(timeout=seconds + 60)[0]) for pr in procs)
+        try:
+            outs = [pr.communicate(timeout=seconds + 60)[0] for pr in procs]
+        finally:
+            for pr in procs:
+                pr.kill()  # no-op for those that finished
+        if any(pr.returncode for pr in procs):
+            raise ChildDied(f"a spin-test process exited with {[pr.returncode for pr in procs]}")
+        cpu = sum(float(o) for o in outs)
         out.append(cpu / seconds)
     return out[0], out[1]
 
@@ -184,6 +191,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="completion length (sets gen vs train)")
     ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompt groups per step (of 8 completions)")
     args = ap.parse_args()
+    require("ray", extra="ray")  # the rollout actor; the actor's death fails the ray.get it is in
     set_prompts(args.prompts)
     steps = args.steps or (4 if args.quick else 30)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -257,4 +265,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

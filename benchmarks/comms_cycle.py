@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, result_line  # noqa: E402
+from _common import median, result_line, run_main, start, watch  # noqa: E402
 
 from posttrain.parallel.mesh import free_port  # noqa: E402
 
@@ -100,7 +100,9 @@ def main() -> None:
     cycles = args.cycles or (10 if args.quick else 50)
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "timings.pt")
-        tmp.spawn(_rank, args=(free_port(), cycles, out), nprocs=WORLD)
+        port = free_port()
+        ranks = {f"rank {r}": (_rank, (r, port, cycles, out)) for r in range(WORLD)}
+        watch(start(tmp.get_context("spawn"), ranks))  # a dead rank stops the other at once
         t = torch.load(out)
     ms = {k: median(v) * 1e3 for k, v in t.items()}
     ours = [a + b + c for a, b, c in zip(t["teardown"], t["rebuild"], t["connect"])]
@@ -121,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from transformers import GenerationConfig as HFGenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, result_line  # noqa: E402
+from _common import median, result_line, run_main, start, stop, wait_for, watchdog  # noqa: E402
 
 from posttrain.generation.engine import GenerationEngine  # noqa: E402
 from posttrain.generation.params import GenerationConfig, SamplingParams  # noqa: E402
@@ -148,18 +148,22 @@ def sync_across_processes(vocab: int, repeats: int) -> float:
     info = new_group_info(1, cfg)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(info, vocab, repeats + 1, child), daemon=True)
-    proc.start()
-    group = WeightSyncGroup(info, 0)
+    procs = start(ctx, {"receiver": (_receiver, (info, vocab, repeats + 1, child))})
     times = []
+    # the rendezvous and the broadcasts block in C until their timeout if the receiver died: the
+    # watchdog ends the benchmark instead; the reply is polled and re-checks that the receiver lives
     try:
-        for v in range(repeats + 1):
-            t0 = time.perf_counter()
-            broadcast_weights(group, state.items(), v, cfg.bucket_bytes)
-            assert parent.recv() == v
-            times.append(time.perf_counter() - t0)
+        with watchdog(procs):
+            group = WeightSyncGroup(info, 0)
+            for v in range(repeats + 1):
+                t0 = time.perf_counter()
+                broadcast_weights(group, state.items(), v, cfg.bucket_bytes)
+                wait_for(parent.poll, f"weight version {v} to load", timeout_s=cfg.timeout_s, procs=procs)
+                assert parent.recv() == v
+                times.append(time.perf_counter() - t0)
+            procs["receiver"].join(timeout=60)
     finally:
-        proc.join(timeout=60)
+        stop(procs)  # after the watchdog: it would take this SIGTERM for a crash
     return median(times[1:]) / gb
 
 
@@ -208,4 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

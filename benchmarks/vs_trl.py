@@ -43,12 +43,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import median, result_line  # noqa: E402
+from _common import ChildDied, median, require, result_line, run_main, start, wait_for, watch  # noqa: E402
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 # the demo's task: a + b for a, b in 0..19 (400 problems, 80 held out), where GRPO measurably helps
 TASK = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
-WAIT_S = 900.0  # bound on waiting for the other side (it crashed if this runs out)
+# bound on waiting for the other side while it is alive (a dead side is noticed within a second)
+WAIT_S = 900.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,20 +91,27 @@ def _task(tokenizer):
 
 
 class Lockstep:
-    """Two processes take turns one step at a time, after both are ready (see the module docstring)."""
+    """Two processes take turns one step at a time, after both are ready (see the module docstring).
+
+    Every wait polls: it gives up within a second when the parent sets `abort` (the other side died)
+    or the parent itself died (`_common.wait_for`)."""
 
     def __init__(self, ctx, first: int) -> None:
-        self.ready = ctx.Barrier(2)
+        self.ready = [ctx.Event(), ctx.Event()]
         self.turn = [ctx.Semaphore(int(first == 0)), ctx.Semaphore(int(first == 1))]
+        self.abort = ctx.Event()
         self.me = -1
         self.started = False
 
+    def _wait(self, ready, what: str) -> None:
+        wait_for(ready, f"the {SIDES[1 - self.me]} side {what}", timeout_s=WAIT_S, abort=self.abort)
+
     def begin(self) -> None:
         if not self.started:
-            self.ready.wait(WAIT_S)
+            self.ready[self.me].set()
+            self._wait(self.ready[1 - self.me].wait, "to start up")
             self.started = True
-        if not self.turn[self.me].acquire(timeout=WAIT_S):
-            raise TimeoutError("the other side of the benchmark stopped taking turns")
+        self._wait(lambda t: self.turn[self.me].acquire(timeout=t), "to finish its step")
 
     def end(self) -> None:
         self.turn[1 - self.me].release()
@@ -309,21 +317,13 @@ def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str, threads:
     gate = Lockstep(ctx, SIDES.index(first))
     with ctx.Manager() as manager:
         results = manager.dict()
-        procs = [
-            ctx.Process(
-                target=_side_main,
-                args=(side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results),
-            )
-            for side in SIDES
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(
-                f"a training process failed (exit codes {[p.exitcode for p in procs]}); see above"
-            )
+        args = {
+            side: (side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results) for side in SIDES
+        }
+        watch(start(ctx, {side: (_side_main, args[side]) for side in SIDES}), abort=gate.abort)
+        missing = [side for side in SIDES if side not in results]
+        if missing:
+            raise ChildDied(f"the {' and '.join(missing)} process exited without a result")
         return dict(results)
 
 
@@ -367,6 +367,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every process")
     args = ap.parse_args()
+    require("trl", "datasets")  # before the warm start, not after it
     import torch
 
     torch.set_num_threads(args.threads)
@@ -409,4 +410,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.sft import SFTConfig
@@ -13,11 +14,30 @@ from posttrain.config import load_config
 CONFIGS = Path(__file__).parent.parent / "configs"
 
 
+def mismatches(written, loaded, path: str = "") -> list[str]:
+    """Where the validated config (`loaded`, as JSON data) does not hold what the file says (`written`)."""
+    if isinstance(written, dict) and isinstance(loaded, dict):
+        out = []
+        for k, v in written.items():
+            where = f"{path}.{k}" if path else k
+            out += mismatches(v, loaded[k], where) if k in loaded else [f"{where}: not loaded"]
+        return out
+    if isinstance(written, list) and isinstance(loaded, list) and len(written) == len(loaded):
+        return [
+            m for i, (w, lo) in enumerate(zip(written, loaded)) for m in mismatches(w, lo, f"{path}[{i}]")
+        ]
+    return [] if written == loaded else [f"{path}: {written!r} in the file, {loaded!r} loaded"]
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_config_validates(path):
     cls = SFTConfig if path.name.startswith("sft") else GRPOConfig
     cfg = load_config(cls, path)
-    assert cfg.output_dir
+    written = yaml.safe_load(path.read_text())
+    assert written, path
+    # every value the file sets is the one the run gets (none dropped, renamed or coerced)
+    bad = mismatches(written, cfg.model_dump(mode="json"))
+    assert not bad, bad
 
 
 def test_readme_parallel_example_validates():

@@ -47,19 +47,13 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     run_grpo(resumed)
     a = [r for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if r["step"] > 2]
     b = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if r["step"] > 2]
-    keys = [
-        "reward",
-        "train/loss",
-        "train/grad_norm",
-        "completion_length",
-        "val/accuracy",
-        "train/probs_ratio",
-    ]
+    keys = ["reward", "train/loss", "train/grad_norm", "completion_length", "train/probs_ratio"]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [3, 4]
     for ra, rb in zip(a, b):
-        for k in keys:
-            if k in ra:
-                assert ra[k] == rb[k], (ra["step"], k)
+        want = keys + ["val/accuracy"] * (ra["step"] % 2 == 0)  # val_period 2
+        missing = [k for k in want if k not in ra or k not in rb]
+        assert not missing, (ra["step"], missing)
+        assert [ra[k] for k in want] == [rb[k] for k in want], ra["step"]
     ckpt_a = tmp_path / "full" / "checkpoints" / "step_4" / "extra_state.json"
     ckpt_b = tmp_path / "resumed" / "checkpoints" / "step_4" / "extra_state.json"
     assert json.loads(ckpt_a.read_text())["train_data"] == json.loads(ckpt_b.read_text())["train_data"]
@@ -67,6 +61,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     pol_a.load_checkpoint(str(tmp_path / "full" / "checkpoints" / "step_4"))
     pol_b.load_checkpoint(str(tmp_path / "resumed" / "checkpoints" / "step_4"))
     sa, sb = pol_a.full_state_dict(), pol_b.full_state_dict()
+    assert sa and sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
@@ -86,17 +81,22 @@ def test_resume_refuses_a_changed_loop_config(tmp_path):
 
 @pytest.fixture
 def flaky_reward_module(tmp_path, monkeypatch):
-    """A reward module that raises for prompts with an even answer and scores the rest by length + 1."""
+    """A reward module that raises for prompts with an even answer and scores the rest by length + 1;
+    every list of rewards it returns is appended to `<tmp_path>/scored.jsonl`."""
     mod = tmp_path / "flaky_reward.py"
     mod.write_text(
         textwrap.dedent(
-            """
+            f"""
+            import json
+
             def reward(prompts, completions, metadata):
                 out = []
                 for c, m in zip(completions, metadata):
                     if int(m["answer"]) % 2 == 0:
                         raise RuntimeError("reward server down for " + c)
                     out.append(float(len(c)) + 1.0)
+                with open({str(tmp_path / "scored.jsonl")!r}, "a") as f:
+                    f.write(json.dumps(out) + "\\n")
                 return out
 
             def always_fails(prompts, completions, metadata):
@@ -116,12 +116,24 @@ def test_failed_rewards_are_counted_not_zeroed(tmp_path, flaky_reward_module):
         "grpo.max_num_steps=2",
         "checkpointing.enabled=false",
         "task.reward.max_failed_fraction=1.0",
+        "grpo.val_period=0",  # no validation: every scored sample below is a training sample
+        "grpo.val_at_start=false",
     )
     run_grpo(cfg)
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0 and "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
     assert sum(r["reward_failed"] for r in steps) > 0
-    assert all(r["reward"] >= 1.0 for r in steps)  # failed samples did not enter as 0
-    assert all(r["train/num_valid_samples"] == 16 - r["reward_failed"] for r in steps)
+    # the rewards of the scored samples in order: one step's 16 samples are scored in one call (split
+    # into one call per sample when it raised), so each step takes the next 16 - failed of them
+    scored = [x for line in (tmp_path / "scored.jsonl").read_text().splitlines() for x in json.loads(line)]
+    for r in steps:
+        n_ok = 16 - int(r["reward_failed"])
+        ok, scored = scored[:n_ok], scored[n_ok:]
+        assert len(ok) == n_ok > 0, r
+        # the mean over the scored samples only: a failed sample entered as 0 would lower it
+        assert r["reward"] == pytest.approx(sum(ok) / n_ok), (r, ok)
+        assert r["train/num_valid_samples"] == n_ok
+    assert scored == []
 
 
 def test_reward_errors_stop_the_run_when_configured(tmp_path, flaky_reward_module):
