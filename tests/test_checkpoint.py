@@ -120,7 +120,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, 
 
     target = {
         "dcp_writer": (checkpoint.dcp.HuggingFaceStorageWriter, "write_data", crash),
-        "rng_files": (checkpoint, "_save_rng", crash),
+        "rng_files": (checkpoint, "save_rng", crash),
         "commit": (checkpoint.os, "replace", crash_moving_new_in),  # after the old one was moved aside
     }[where]
     monkeypatch.setattr(*target)

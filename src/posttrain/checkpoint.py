@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import uuid
 import warnings
@@ -37,12 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -54,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.logging import get_logger
+from posttrain.rng_state import load_rng, save_rng
 
 log = get_logger(__name__)
 
@@ -318,63 +315,6 @@ def _apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, A
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
 
 
-# ---------------------------------------------------------------------- RNG
-
-
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    version, mt, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    tensors = {
-        "torch_cpu": torch.get_rng_state(),
-        "python_mt": torch.tensor(mt, dtype=torch.int64),
-        "numpy_mt": torch.from_numpy(np_keys.astype(np.int64)),
-    }
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    scalars = {
-        "python_version": version,
-        "python_gauss": gauss,
-        "numpy_kind": np_kind,
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_gauss": float(np_gauss),
-    }
-    return tensors, scalars
-
-
-def _save_rng(directory: Path, rank: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors, scalars = _rng_state()
-    save_file(tensors, str(directory / f"rank-{rank}.safetensors"), metadata={"scalars": json.dumps(scalars)})
-
-
-def _load_rng(directory: Path, rank: int) -> None:
-    path = directory / f"rank-{rank}.safetensors"
-    if not path.is_file():
-        log.warning(
-            "no RNG state for rank %d in %s (saved on fewer ranks); keeping this rank's RNG", rank, path
-        )
-        return
-    with safe_open(str(path), framework="pt") as f:
-        t = {k: f.get_tensor(k) for k in f.keys()}
-        s = json.loads(f.metadata()["scalars"])
-    torch.set_rng_state(t["torch_cpu"])
-    random.setstate((s["python_version"], tuple(t["python_mt"].tolist()), s["python_gauss"]))
-    np.random.set_state(
-        (
-            s["numpy_kind"],
-            t["numpy_mt"].numpy().astype(np.uint32),
-            s["numpy_pos"],
-            s["numpy_has_gauss"],
-            s["numpy_gauss"],
-        )
-    )
-    cuda = [t[f"torch_cuda_{i}"] for i in range(sum(k.startswith("torch_cuda_") for k in t))]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-
-
 # ---------------------------------------------------------------------- save
 
 
@@ -482,7 +422,7 @@ def _write_checkpoint(
     writer = _hf_storage("Writer")(str(tmp / "state"), save_distributed=True)
     with _single_process_ok():
         dcp.save(_sharded_state(state), storage_writer=writer, no_dist=not _distributed())
-    _on_all_ranks(lambda: _save_rng(tmp / "rng", rank))
+    _on_all_ranks(lambda: save_rng(tmp / "rng", rank))
     _on_all_ranks(
         lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
     )
@@ -561,7 +501,7 @@ def load_checkpoint(
     if reference:
         _restore_reference(state, reference)
     state.scheduler.load_state_dict(train_state["scheduler"])
-    _load_rng(root / "rng", _rank())
+    load_rng(root / "rng", _rank())
     _barrier()
     mesh = _full_mesh(mesh, _world_size())
     saved_mesh = _full_mesh(meta.get("mesh"), meta["world_size"])
