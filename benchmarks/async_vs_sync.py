@@ -1,7 +1,7 @@
 """Wall-clock of synchronous vs asynchronous GRPO for the same number of trained samples.
 
 The same run three ways, interleaved and repeated (medians): the synchronous loop (grpo.py: generate,
-score, logprobs, train, weight sync, in turn) and the asynchronous one (async_grpo_run.py) at
+score, logprobs, train, weight sync, in turn) and the asynchronous one (algorithms/async_grpo/) at
 max_staleness 1 and 2. The asynchronous trainer runs in this process and its single rollout engine in
 a Ray actor, so generation and training can use one core each; every process uses one torch thread.
 The synchronous loop runs in this process with one torch thread too (on this tiny model a second
@@ -18,7 +18,7 @@ set-up syncs its engine, the asynchronous one pushes the policy's weights to its
 asynchronous time also includes filling the pipeline and cancelling the requests in flight at the end.
 Before the timed runs (not with --quick) one untimed step of each loop takes the process's first-call
 costs out of the timings: the synchronous loop trains on this thread, the asynchronous trainer on a
-policy thread that later runs reuse (async_workers.SerialThread); each asynchronous run's fresh rollout
+policy thread that later runs reuse (async_grpo.trainer.SerialThread); each asynchronous run's fresh rollout
 actor generates one untimed wave after its start-up for the same reason.
 A run is 30 steps of 256 samples (earlier: 12 of 128): each asynchronous step has fixed costs the
 synchronous one has not (a Ray call per wave and one per weight version, the weight export and the
@@ -46,13 +46,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import ChildDied, median, require, result_line, run_main  # noqa: E402
 
 from posttrain.algorithms import grpo  # noqa: E402
-from posttrain.algorithms.async_grpo_run import (  # noqa: E402
-    AsyncGRPORunConfig,
-    close,
-    setup,
-    sync_equivalent,
-    train,
-)
+from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig  # noqa: E402
+from posttrain.algorithms.async_grpo.run import close, setup, train  # noqa: E402
 from posttrain.algorithms.losses import ClippedPGConfig  # noqa: E402
 from posttrain.config import build_config  # noqa: E402
 from posttrain.logging import MetricsLogger, read_metrics  # noqa: E402
@@ -129,10 +124,31 @@ def parallel_capacity(seconds: float) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def sync_config_like(cfg: AsyncGRPORunConfig) -> grpo.GRPOConfig:
+    """The synchronous run with the same model, task, groups and steps as the asynchronous `cfg` (not
+    colocated), with the synchronous loop's own default loss: on-policy, no importance sampling."""
+    a = cfg.async_grpo
+    loop = cfg.grpo.model_copy(
+        update={
+            "num_prompts_per_step": a.target_prompt_groups_per_step,
+            "max_num_steps": a.num_steps or cfg.grpo.max_num_steps,
+            "max_num_epochs": a.num_epochs or cfg.grpo.max_num_epochs,
+        }
+    )
+    sections = ("policy", "generation", "sampling", "task", "weight_sync", "checkpointing", "logging")
+    return grpo.GRPOConfig(
+        **{k: getattr(cfg, k) for k in sections},
+        loss=ClippedPGConfig(),
+        grpo=loop,
+        colocated=False,
+        output_dir=cfg.output_dir,
+    )
+
+
 def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo), with
     its own default loss: on-policy, no importance sampling; it skips the prev-logprob pass."""
-    sync_cfg = sync_equivalent(cfg).model_copy(update={"loss": ClippedPGConfig()})
+    sync_cfg = sync_config_like(cfg)
     run = grpo.setup(sync_cfg, None)
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
     c0, t0 = time.process_time(), time.perf_counter()

@@ -56,9 +56,13 @@ class FakeRolloutWorker(RolloutWorker):
     - `fail_set_weights`: set_weights raises WorkerLostError.
     With `loads_between_requests`, set_weights waits for the requests in flight (the controller then
     sends weights as soon as they are published), and a request for a newer version than the worker
-    holds waits for that version's load (`waited_for_load` counts them). With `batched`, it also has `generate_groups` (several groups per call; a group's failure comes
-    back as its result's `error`, a lost worker fails the call); call indices count groups.
-    It records every call and any contract violation (weights changed mid-request, wrong version).
+    holds waits for that version's load (`waited_for_load` counts them). With `batched`, it also has
+    `generate_groups` (several groups per call; a group's failure comes back as its result's `error`, a
+    lost worker fails the call); call indices count groups.
+    It records every call and any contract violation (weights changed mid-request, wrong version), and
+    appends ("generated", name, prompt id, weight version) to `journal` (a list shared with other
+    doubles, e.g. a FakeTrainer's) for every group it completes, so tests check the order of events
+    instead of wall-clock times.
     """
 
     def __init__(
@@ -74,8 +78,10 @@ class FakeRolloutWorker(RolloutWorker):
         fail_set_weights: bool = False,
         batched: bool = False,
         loads_between_requests: bool = False,
+        journal: list[tuple] | None = None,
     ) -> None:
         self.name = name
+        self.journal = journal
         self.loads_between_requests = loads_between_requests
         self.batches_groups = batched
         self.batch_sizes: list[int] = []  # groups per generate_groups call
@@ -155,6 +161,8 @@ class FakeRolloutWorker(RolloutWorker):
                 raise RolloutFailure(f"reward function crashed on prompt {prompt_id}")
             return GroupResult(None, weight_version, 0, error=f"generation failed on prompt {prompt_id}")
         self.completed.append(prompt_id)
+        if self.journal is not None:
+            self.journal.append(("generated", self.name, prompt_id, weight_version))
         samples = [
             {"prompt_id": prompt_id, "sample": k, "reward": float((prompt_id + k) % 2)}
             for k in range(self.group_size)
@@ -197,7 +205,8 @@ class FakeBatch:
 def make_fake_prepare(
     filter_prompts: frozenset[int] | set[int] = frozenset(), latency: float = 0.0
 ) -> Callable[[BufferedGroup, int], Any]:
-    """A `prepare_group` hook: filters `filter_prompts` (as zero-advantage groups would be), else a FakeBatch."""
+    """A `prepare_group` hook: filters `filter_prompts` (as zero-advantage groups would be), else a
+    FakeBatch."""
 
     async def prepare(group: BufferedGroup, trainer_version: int) -> FakeBatch | None:
         await asyncio.sleep(latency)
@@ -215,7 +224,8 @@ class FakeTrainer(Trainer):
     """The split train step with the semantics of `Policy`, as async calls with latencies and failures.
 
     `fail_on` / `hang_on` map a verb ("begin", "train_group", "finish", "abort", "export_weights") to the
-    call index (0-based, per verb) that raises / never returns.
+    call index (0-based, per verb) that raises / never returns. Every event goes to `events` and, when
+    given, to `journal` (a list shared with FakeRolloutWorkers: one order of both sides' events).
     """
 
     start_version: int = 0
@@ -229,6 +239,7 @@ class FakeTrainer(Trainer):
     events: list[tuple] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
+    journal: list[tuple] | None = None
 
     def __post_init__(self) -> None:
         self._version = self.start_version
@@ -240,6 +251,11 @@ class FakeTrainer(Trainer):
     @property
     def trained_group_ids(self) -> list[int]:
         return [b.group_id for step in self.steps for b in step]
+
+    def _record(self, event: tuple) -> None:
+        self.events.append(event)
+        if self.journal is not None:
+            self.journal.append(event)
 
     async def _enter(self, verb: str) -> None:
         n = self.calls.get(verb, 0)
@@ -256,7 +272,7 @@ class FakeTrainer(Trainer):
         if self.open:
             raise RuntimeError("begin_train_step() called while a train step is already open")
         self.open, self.current = True, []
-        self.events.append(("begin", self._version))
+        self._record(("begin", self._version))
 
     async def train_group(self, batch: FakeBatch) -> None:
         await self._enter("train_group")
@@ -266,7 +282,7 @@ class FakeTrainer(Trainer):
             self.violations.append(f"group {batch.group_id} prepared at {batch.trainer_version}")
         await asyncio.sleep(self.train_latency)
         self.current.append(batch)
-        self.events.append(("train", batch.group_id, batch.weight_version, self._version))
+        self._record(("train", batch.group_id, batch.weight_version, self._version))
 
     async def finish(self) -> dict[str, float]:
         await self._enter("finish")
@@ -276,22 +292,22 @@ class FakeTrainer(Trainer):
         self.open = False
         samples = float(sum(b.num_samples for b in self.current))
         if not self.current:  # like the Policy: no valid tokens -> the step is skipped
-            self.events.append(("skip", self._version))
+            self._record(("skip", self._version))
             return {"step_skipped": 1.0}
         self.steps.append(self.current)
         self.current = []
         self._version += 1
-        self.events.append(("finish", self._version))
+        self._record(("finish", self._version))
         return {"loss": 0.0, "num_valid_samples": samples, "trainer_version": float(self._version)}
 
     async def abort(self) -> None:
         await self._enter("abort")
         self.open, self.current = False, []
-        self.events.append(("abort", self._version))
+        self._record(("abort", self._version))
 
     async def export_weights(self) -> dict[str, int]:
         await self._enter("export_weights")
-        self.events.append(("export", self._version))
+        self._record(("export", self._version))
         return {"version": self._version}
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from posttrain.policy.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.grpo import GRPOConfig
 
 
 def policy_cfg(**overrides) -> PolicyConfig:
@@ -32,3 +38,31 @@ def small_run_policy() -> dict:
         "microbatch": {"train_micro_batch_size": 16},
         "optimizer": {"lr": 1e-3},
     }
+
+
+def sync_config_like(cfg: AsyncGRPORunConfig) -> GRPOConfig:
+    """The synchronous run with the same model, task, groups, steps and loss as the asynchronous `cfg`
+    (not colocated): the two loops compared on equal samples (a test's converter, not the library's)."""
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    a = cfg.async_grpo
+    loop = cfg.grpo.model_copy(
+        update={
+            "num_prompts_per_step": a.target_prompt_groups_per_step,
+            "max_num_steps": a.num_steps or cfg.grpo.max_num_steps,
+            "max_num_epochs": a.num_epochs or cfg.grpo.max_num_epochs,
+        }
+    )
+    return GRPOConfig(
+        policy=cfg.policy,
+        generation=cfg.generation,
+        sampling=cfg.sampling,
+        task=cfg.task,
+        loss=a.loss,
+        grpo=loop,
+        weight_sync=cfg.weight_sync,
+        colocated=False,
+        checkpointing=cfg.checkpointing,
+        logging=cfg.logging,
+        output_dir=cfg.output_dir,
+    )

@@ -15,18 +15,24 @@ import weakref
 import pytest
 import torch
 
-from posttrain.algorithms import async_workers
-from posttrain.algorithms.async_grpo import AsyncGRPOConfig, AsyncGRPOController
-from posttrain.algorithms.async_types import TrainerError
-from posttrain.algorithms.async_workers import (
-    PolicyTrainer,
-    RayRolloutWorker,
-    SerialThread,
+import doubles
+from doubles import (
+    FAKE_LOSS,
+    FakeRolloutWorker,
+    FakeTrainer,
+    fake_dataset,
+    make_fake_prepare,
     policy_prepare_group,
 )
-from posttrain.algorithms.dryrun import FakeRolloutWorker, FakeTrainer, fake_dataset, make_fake_prepare
-from posttrain.algorithms.staleness import BufferedGroup, GroupState
+from posttrain.algorithms.async_grpo import trainer as trainer_module
+from posttrain.algorithms.async_grpo.config import AsyncGRPOConfig
+from posttrain.algorithms.async_grpo.contracts import TrainerError
+from posttrain.algorithms.async_grpo.controller import AsyncGRPOController
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState
+from posttrain.algorithms.async_grpo.trainer import PolicyTrainer, SerialThread
+from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.data.batch import make_batch
+from posttrain.rollout.ray_worker import RayRolloutWorker
 
 HARD_TIMEOUT_S = 60.0
 
@@ -74,7 +80,7 @@ def test_serial_thread_runs_calls_in_order_and_survives_a_hung_call():
 def test_a_closed_serial_thread_hands_its_thread_to_the_next_one(monkeypatch):
     """The OS thread outlives its SerialThread (a fresh thread starts cold) but never serves two at
     once: a closed one refuses calls, and one still stuck in a call keeps its thread."""
-    monkeypatch.setattr(async_workers, "_MAX_PARKED", 100)  # threads parked by earlier tests stay
+    monkeypatch.setattr(trainer_module, "_MAX_PARKED", 100)  # threads parked by earlier tests stay
 
     async def ident(thread: SerialThread) -> tuple[int, str]:
         return await thread.call(lambda: (threading.get_ident(), threading.current_thread().name))
@@ -89,7 +95,7 @@ def test_a_closed_serial_thread_hands_its_thread_to_the_next_one(monkeypatch):
     with pytest.raises(RuntimeError, match="closed"):
         bounded_run(ident(first), 5.0)
     deadline = time.monotonic() + 5.0
-    while first._server not in async_workers._PARKED and time.monotonic() < deadline:
+    while first._server not in trainer_module._PARKED and time.monotonic() < deadline:
         time.sleep(0.005)  # the thread parks once it has taken the close
     gc.collect()
     assert alive() is None
@@ -149,8 +155,10 @@ def test_policy_trainer_trains_streamed_groups(policy):
     start = trainer.version
     before = {k: v.clone() for k, v in policy.full_state_dict().items()}
     workers = [FakeRolloutWorker("w0", latency=0.01), FakeRolloutWorker("w1", latency=0.02)]
+    run_cfg = cfg(num_steps=2)
+    loss = ClippedPGLoss(run_cfg.loss)  # the async default: truncated importance sampling
     ctrl = AsyncGRPOController(
-        cfg(num_steps=2), fake_dataset(8), workers, trainer, policy_prepare_group(trainer, to_batch)
+        run_cfg, fake_dataset(8), workers, trainer, policy_prepare_group(trainer, to_batch), loss
     )
     metrics = []
     summary = bounded_run(ctrl.run(on_step=lambda step, m: metrics.append(m)))
@@ -178,12 +186,14 @@ def test_policy_trainer_error_aborts_the_policy_step(policy):
             raise ValueError("advantage computation blew up")
         return to_batch(group)
 
+    run_cfg = cfg(num_steps=2)
     ctrl = AsyncGRPOController(
-        cfg(num_steps=2),
+        run_cfg,
         fake_dataset(8),
         [FakeRolloutWorker("w0")],
         trainer,
         policy_prepare_group(trainer, failing_to_batch),
+        ClippedPGLoss(run_cfg.loss),
     )
     with pytest.raises(TrainerError, match="prepare_group\\(\\) failed: ValueError: advantage computation"):
         bounded_run(ctrl.run())
@@ -199,9 +209,17 @@ def test_policy_trainer_error_aborts_the_policy_step(policy):
 # --------------------------------------------------------------------------- Ray rollout actors
 
 
+@pytest.fixture
+def doubles_by_value(ray_session):
+    """Ray, with tests/doubles.py pickled by value: tests/ is not on the actors' path."""
+    ray_session.cloudpickle.register_pickle_by_value(doubles)
+    yield ray_session
+    ray_session.cloudpickle.unregister_pickle_by_value(doubles)
+
+
 @pytest.mark.distributed
-def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
-    ray = ray_session
+def test_ray_rollout_worker_death_is_retried_elsewhere(doubles_by_value):
+    ray = doubles_by_value
     actor_cls = ray.remote(num_cpus=0)(FakeRolloutWorker)
     fail = dict(fail_prompts={5: 1}, raise_failures=True)  # a RolloutFailure raised inside the actor
     actors = [
@@ -234,6 +252,7 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(ray_session):
         workers,
         trainer,
         make_fake_prepare(),
+        FAKE_LOSS,
     )
     start = time.monotonic()
     summary = bounded_run(ctrl.run(on_step=on_step))

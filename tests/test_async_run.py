@@ -1,4 +1,4 @@
-"""The real asynchronous GRPO run (async_grpo_run.py): engine-backed rollout workers, metrics,
+"""The real asynchronous GRPO run (algorithms/async_grpo/run.py): engine-backed rollout workers, metrics,
 validation, checkpoints and resume, accuracy against the synchronous loop, and a rollout actor killed
 mid-run (`distributed`)."""
 
@@ -18,39 +18,37 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_run_policy
-from posttrain.algorithms.async_engine_worker import (
-    SAMPLES_CODEC,
-    EngineRolloutWorker,
-    GroupSamples,
-    WeightsPayload,
-    attach_rows,
-    packed_nbytes,
-    probe_sync,
-    stack_rows,
-)
-from posttrain.algorithms.async_grpo_run import (
-    AsyncGRPORunConfig,
-    ChunkedTrainer,
+from helpers import small_run_policy, sync_config_like
+from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup
+from posttrain.algorithms.async_grpo.run import (
     StepStats,
     close,
-    groups_to_batch,
     prepare_samples,
     run_async_grpo,
     setup,
-    sync_equivalent,
     train,
-    trained_prompt_ids,
 )
-from posttrain.algorithms.async_types import RolloutFailure, WorkerLostError
-from posttrain.algorithms.grpo import GRPOLoopConfig, run_grpo, samples_to_batch
+from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer
+from posttrain.algorithms.grpo import GRPOLoopConfig, run_grpo
 from posttrain.algorithms.sft import SFTConfig, run_sft
-from posttrain.algorithms.staleness import BufferedGroup, GroupState
 from posttrain.config import ConfigError, apply_overrides, build_config
 from posttrain.generation.params import GenerationResult
+from posttrain.generation.payload import WeightsPayload, packed_nbytes
 from posttrain.generation.probe import WeightSyncError
 from posttrain.logging import MetricsLogger, read_metrics
 from posttrain.policy.policy import Policy
+from posttrain.rollout.contracts import RolloutFailure, WorkerLostError
+from posttrain.rollout.engine_worker import EngineRolloutWorker
+from posttrain.rollout.groups import probe_sync
+from posttrain.rollout.rows import (
+    SAMPLES_CODEC,
+    GroupSamples,
+    attach_rows,
+    groups_to_batch,
+    samples_to_batch,
+    stack_rows,
+)
 from posttrain.tasks.build import build_task
 from posttrain.tasks.rewards import RewardError
 
@@ -80,19 +78,30 @@ def small_cfg(out, *overrides: str) -> AsyncGRPORunConfig:
 def test_settings_of_the_synchronous_step_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="grpo.max_num_steps is not used .* set async_grpo.num_steps"):
         small_cfg(tmp_path, "grpo.max_num_steps=7")
-    sync = sync_equivalent(small_cfg(tmp_path))
-    assert sync.grpo.num_prompts_per_step == 4 and sync.grpo.max_num_steps == 4
-    assert sync.loss.use_importance_sampling_correction  # the async default loss, IS on
+    cfg = small_cfg(tmp_path)
+    assert cfg.async_grpo.loss.use_importance_sampling_correction  # the async default loss, IS on
+    # a rollout worker is built from the sections that mean the same as in the synchronous run
+    worker = worker_config(cfg)
+    assert worker.group == cfg.grpo and worker.group.num_generations_per_prompt == 4
+    assert (worker.model, worker.generation, worker.sampling, worker.task, worker.weight_sync) == (
+        cfg.policy.model,
+        cfg.generation,
+        cfg.sampling,
+        cfg.task,
+        cfg.weight_sync,
+    )
+    assert worker.dp_size == cfg.policy.dp_size
 
 
 # --------------------------------------------------------------------------- the rollout worker
 
 
 def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
-    cfg = sync_equivalent(small_cfg(tmp_path))
-    policy = Policy(cfg.policy)
+    run_cfg = small_cfg(tmp_path)
+    cfg = worker_config(run_cfg)
+    policy = Policy(run_cfg.policy)
     worker = EngineRolloutWorker.build(cfg, "w")
-    sync = probe_sync(cfg, worker.engine.vocab_size)
+    sync = probe_sync(cfg.weight_sync, worker.engine.vocab_size, cfg.dp_size)
     prompt = worker.task.train.items[0]
 
     def payload(version: int, probe=None) -> WeightsPayload:
@@ -139,7 +148,7 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
             redone = GroupSamples(
                 *(getattr(group.samples, k) for k in ("prompt_id", "results", "rewards", "failed"))
             )
-            attach_rows([redone], cfg.grpo, pad_id=worker.engine.tokenizer.pad_token_id or 0)
+            attach_rows([redone], cfg.group, pad_id=worker.engine.tokenizer.pad_token_id or 0)
             for k, v in redone.rows.items():
                 assert v.dtype == group.samples.rows[k].dtype and (v == group.samples.rows[k]).all(), k
         # set_weights sent while a call is in flight waits for it; a call that comes after it (a Ray
@@ -164,14 +173,16 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         with pytest.raises(RolloutFailure, match="holds \\(or is loading\\) 4"):
             await worker.generate_group(prompt, 3)
         # loaded but not yet probe-checked is not ready: a call for the version waits for the check
-        gate, check = threading.Event(), worker._check_loaded
-        worker._check_loaded = lambda *a: (gate.wait(30), check(*a))
+        entered, gate, check = threading.Event(), threading.Event(), worker._check_loaded
+        worker._check_loaded = lambda *a: (entered.set(), gate.wait(30), check(*a))
         load = asyncio.ensure_future(worker.set_weights(5, payload(5)))
-        while worker.engine.weight_version != 5:
+        while not entered.is_set():  # the check has started (on a thread) and holds at the gate
             await asyncio.sleep(0.005)
+        assert worker.engine.weight_version == 5  # loaded, not checked
         call = asyncio.ensure_future(worker.generate_group(prompt, 5))
-        await asyncio.sleep(0.05)
-        assert not call.done()
+        for _ in range(3):  # the call runs up to its first wait: for the check, not in the engine
+            await asyncio.sleep(0)
+        assert not call.done() and not worker._running and not worker.engine.has_unfinished()
         gate.set()
         await load
         assert (await call).weight_version == 5
@@ -255,11 +266,11 @@ def flaky_reward(tmp_path, monkeypatch):
 
 def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group(tmp_path, flaky_reward):
     """Per group, failures are masked (the failed fraction is checked per step, see the next test)."""
-    cfg = sync_equivalent(small_cfg(tmp_path, f"task.reward_fn={flaky_reward}"))
+    cfg = worker_config(small_cfg(tmp_path, f"task.reward_fn={flaky_reward}"))
     worker = EngineRolloutWorker.build(cfg, "w")
     even = next(it for it in worker.task.train.items if int(it.metadata["answer"]) % 2 == 0)
     odd = next(it for it in worker.task.train.items if int(it.metadata["answer"]) % 2 == 1)
-    raising = sync_equivalent(
+    raising = worker_config(
         small_cfg(tmp_path, f"task.reward_fn={flaky_reward}", "task.reward.on_reward_error=raise")
     )
     strict = EngineRolloutWorker(
@@ -270,7 +281,7 @@ def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group
         bad, good = await worker.generate_group(even, 0), await worker.generate_group(odd, 0)
         assert bad.samples.failed == [True] * 4 and all(math.isnan(r) for r in bad.samples.rewards)
         assert good.samples.failed == [False] * 4 and good.samples.rewards == [1.0] * 4
-        batch = groups_to_batch([bad.samples, good.samples], cfg.grpo, pad_id=0)
+        batch = groups_to_batch([bad.samples, good.samples], cfg.group, pad_id=0)
         assert batch["sample_mask"].tolist() == [0.0] * 4 + [1.0] * 4
         with pytest.raises(RolloutFailure, match="reward of prompt"):
             await strict.generate_group(even, 0)
@@ -560,7 +571,7 @@ def test_async_reaches_the_sync_accuracy_at_equal_samples(tmp_path):
             "output_dir": str(tmp_path / "async"),
         },
     )
-    sync_cfg = sync_equivalent(cfg).model_copy(update={"output_dir": str(tmp_path / "sync")})
+    sync_cfg = sync_config_like(cfg).model_copy(update={"output_dir": str(tmp_path / "sync")})
     run_grpo(sync_cfg)
     run_async_grpo(cfg)
     sync = [r for r in read_metrics(tmp_path / "sync" / "metrics.jsonl") if "val/accuracy" in r]
@@ -617,6 +628,16 @@ def test_killing_a_rollout_actor_loses_no_sample(tmp_path, ray_session):
     )
     run = setup(cfg)
     in_flight_at_kill: list[int] = []
+    prepared: list[tuple[int, int]] = []  # (group id, prompt index) of every group handed to the trainer
+    prepare = run.controller.prepare_group
+
+    async def recording_prepare(group: BufferedGroup, version: int) -> GroupSamples | None:
+        out = await prepare(group, version)
+        if out is not None:
+            prepared.append((group.group_id, group.prompt_id))
+        return out
+
+    run.controller.prepare_group = recording_prepare
 
     async def kill_busy_actor(r, step, metrics):
         """After step 1, wait until actor 0 is generating at the new weights (requests sent before them
@@ -644,7 +665,11 @@ def test_killing_a_rollout_actor_loses_no_sample(tmp_path, ray_session):
     assert summary.steps == 4 and summary.data_exhausted  # 16 prompts, 4 groups a step
     ledger = run.controller.ledger
     ledger.check_settled()
-    assert set(ledger.states.values()) == {GroupState.TRAINED}  # none failed, dropped or left behind
-    assert sorted(trained_prompt_ids(run)) == list(range(16))  # every prompt trained exactly once
-    assert all(ledger.states[g] == GroupState.TRAINED for g in in_flight_at_kill)
+    counts = ledger.counts()
+    assert counts["trained"] == sum(counts.values()) == 16  # none failed, dropped or left behind
+    # no step was aborted, so every group handed to the trainer was trained: each prompt exactly once
+    assert counts["trained"] == len(prepared) == len({g for g, _ in prepared})
+    assert sorted(p for _, p in prepared) == list(range(16))
+    assert set(in_flight_at_kill) <= {g for g, _ in prepared}  # retried, then trained
+    assert all(ledger.ended(g) for g in in_flight_at_kill)
     assert summary.totals["retried"] >= 1 and summary.totals["failed"] == 0

@@ -1,17 +1,19 @@
-"""Unit tests of the pieces under the asynchronous controller: sampler, ledger, data cursor, config, waits."""
+"""Unit tests of the pieces under the asynchronous controller: sampler, ledger, prompt cursor, config and
+waits."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
-from posttrain.algorithms.async_grpo import AsyncGRPOConfig
-from posttrain.algorithms.async_metrics import BusyMeter
-from posttrain.algorithms.async_types import WaitTimeout, bounded
-from posttrain.algorithms.rollout_pool import DataCursor
-from posttrain.algorithms.staleness import BufferedGroup, GroupState, Ledger, StalenessSampler
+from posttrain.algorithms.async_grpo.config import AsyncGRPOConfig
+from posttrain.algorithms.async_grpo.contracts import WaitTimeout, bounded
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState, Ledger, StalenessSampler
+from posttrain.algorithms.async_grpo.meters import BusyMeter
 from posttrain.config import ConfigError, build_config
+from posttrain.tasks.datasets import PromptCursor
 
 
 def group(gid: int, version: int) -> BufferedGroup:
@@ -56,28 +58,82 @@ def test_ledger_allows_only_the_loop_transitions():
     ledger = Ledger()
     for state in (GroupState.IN_FLIGHT, GroupState.BUFFERED, GroupState.TRAINING, GroupState.TRAINED):
         ledger.move(1, state)
-    with pytest.raises(AssertionError, match="cannot go from trained to training"):
+    with pytest.raises(AssertionError, match="group 1 has ended and cannot go to training"):
         ledger.move(1, GroupState.TRAINING)
+    with pytest.raises(AssertionError, match="group 1 has ended and cannot go to pending"):
+        ledger.move(1, GroupState.PENDING)  # not even as a new group
+    with pytest.raises(AssertionError, match="cannot go from new to training"):
+        ledger.move(3, GroupState.TRAINING)
     ledger.move(2, GroupState.IN_FLIGHT)
     with pytest.raises(AssertionError, match="left in flight"):
         ledger.check_settled()
     ledger.move(2, GroupState.PENDING)
     ledger.check_settled()
     assert ledger.counts()["trained"] == 1 and ledger.ids(GroupState.PENDING) == [2]
+    assert ledger.ended(1) and ledger.state(1) is None and not ledger.ended(2)
+    with pytest.raises(ValueError, match="trained groups are counted, not kept by id; use counts"):
+        ledger.ids(GroupState.TRAINED)
 
 
-def test_data_cursor_epochs_shuffle_and_state():
-    cursor = DataCursor(5, num_epochs=2, shuffle=True, seed=3)
+def test_ledger_keeps_live_groups_and_intervals_of_ended_ones():
+    """Ended groups are counted and their ids merged into intervals: the ledger's size follows the live
+    groups (at most 3 here, ending in random order), not the 1,000 groups it has seen."""
+    rng = random.Random(0)
+    ledger = Ledger()
+    ends = [GroupState.TRAINED, GroupState.FILTERED, GroupState.DROPPED_STALE]
+    live: list[int] = []
+    retained = []
+    expected = {s.value: 0 for s in ends}
+    for gid in range(1000):
+        ledger.move(gid, GroupState.IN_FLIGHT)
+        ledger.move(gid, GroupState.BUFFERED)
+        live.append(gid)
+        if len(live) == 3:
+            done = live.pop(rng.randrange(3))
+            end = ends[done % 3]
+            if end != GroupState.DROPPED_STALE:
+                ledger.move(done, GroupState.TRAINING)
+            ledger.move(done, end)
+            expected[end.value] += 1
+        retained.append(ledger.retained())
+    assert sorted(ledger.states) == live and ledger.ids(GroupState.BUFFERED) == live
+    counts = ledger.counts()
+    assert {s.value: counts[s.value] for s in ends} == expected and sum(expected.values()) == 998
+    assert counts["buffered"] == 2
+    assert all(ledger.ended(g) == (g not in live) for g in range(1000))
+    assert not ledger.ended(1000) and not ledger.ended(-1)
+    assert max(retained) <= 2 * 3 + 1  # live groups + the intervals between them
+
+
+def test_prompt_cursor_epochs_shuffle_and_state():
+    cursor = PromptCursor(5, num_epochs=2, shuffle=True, seed=3)
     seen = [cursor.next() for _ in range(10)]
     assert cursor.next() is None and cursor.exhausted
     assert sorted(seen[:5]) == sorted(seen[5:]) == list(range(5)) and seen[:5] != seen[5:]
-    again = DataCursor(5, num_epochs=2, shuffle=True, seed=3)
+    again = PromptCursor(5, num_epochs=2, shuffle=True, seed=3)
     for _ in range(7):
         again.next()
-    resumed = DataCursor(5, num_epochs=2, shuffle=True, seed=3)
+    resumed = PromptCursor(5, num_epochs=2, shuffle=True, seed=3)
     resumed.load_state_dict(again.state_dict())
     assert [resumed.next() for _ in range(3)] == seen[7:]
-    assert DataCursor(0, num_epochs=None, shuffle=False, seed=0).next() is None
+    assert PromptCursor(0, num_epochs=None, shuffle=False, seed=0).next() is None
+    assert [PromptCursor(4, shuffle=False).next_indices(6)] == [[0, 1, 2, 3, 0, 1]]
+
+
+def test_prompt_cursor_refuses_the_state_of_another_dataset():
+    state = PromptCursor(8, seed=3).state_dict()
+    assert state == {
+        "epoch": 0,
+        "position": 0,
+        "seed": 3,
+        "shuffle": True,
+        "num_items": 8,
+        "fingerprint": None,
+    }
+    with pytest.raises(ValueError, match="saved with num_items=8 but this dataset has num_items=9"):
+        PromptCursor(9, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with seed=3"):
+        PromptCursor(8, seed=4).load_state_dict(state)
 
 
 def test_busy_meter_counts_overlapping_jobs_once_and_reads_up_to_a_given_time():
