@@ -254,9 +254,7 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(doubles_by_value):
         make_fake_prepare(),
         FAKE_LOSS,
     )
-    start = time.monotonic()
-    summary = bounded_run(ctrl.run(on_step=on_step))
-    assert time.monotonic() - start < 45
+    summary = bounded_run(ctrl.run(on_step=on_step))  # a hang fails at bounded_run's bound
     assert sorted(b.prompt_id for s in trainer.steps for b in s) == list(range(18))
     assert killed_in_flight  # r0 died with work in flight
     assert list(summary.dead_workers) == [0] and "Ray actor is gone" in summary.dead_workers[0]
