@@ -465,9 +465,9 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     """The CPU engine applies the LM head from a packed copy of its weight. A copy-load gives what a
     fresh engine on the same weights gives; shared weights are never packed, so an in-place optimizer
     step (fused AdamW bumps no version counter) is seen; the blocked fallback agrees too."""
-    import posttrain.generation.engine as engine_module
+    import posttrain.generation.lm_head as lm_head_module
 
-    monkeypatch.setattr(engine_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
+    monkeypatch.setattr(lm_head_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
     prompts = prompts_of([4, 7, 3])
     params = SamplingParams(max_new_tokens=8, seed=4, stop_at_eos=False)
 
@@ -478,7 +478,7 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
 
     engine = make_engine(seed=0)
     engine.generate(prompts, params)  # packs the seed-0 head
-    assert engine._packed is not None
+    assert engine._head._packed is not None
     new_state = build_tiny_model(VOCAB, seed=30).state_dict()
     engine.load_weights(new_state, version=1)
     assert [r.token_ids for r in engine.generate(prompts, params)] == fresh(new_state)
@@ -487,7 +487,7 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     shared = make_engine()
     shared.share_weights(trainer.state_dict(), version=1)
     shared.generate(prompts, params)
-    assert shared._packed is None
+    assert shared._head._packed is None
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=0.05, fused=True)
     for p in trainer.parameters():
         p.grad = torch.randn_like(p)
@@ -498,8 +498,8 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     engine.load_weights(trainer.state_dict(), version=2)
     expected = trainer.lm_head(hidden).detach()
     torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
-    assert engine._packed is not None
-    engine._pack_failed, engine._packed = True, None  # a torch build without oneDNN
+    assert engine._head._packed is not None
+    engine._head._pack_failed, engine._head._packed = True, None  # a torch build without oneDNN
     torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
 
 

@@ -5,7 +5,9 @@ sleep freeing device memory) behind the `gpu` marker."""
 from __future__ import annotations
 
 import functools
+import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from helpers import policy_cfg
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.generation.engine import EngineStateError, GenerationEngine
 from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.generation.payload import ALIGN, WeightsPayload, pack_tensors, packed_nbytes
 from posttrain.generation.probe import WeightSyncError
 from posttrain.generation.rollout import model_parts
 from posttrain.generation.weight_sync import (
@@ -197,6 +200,44 @@ def test_buckets_are_bounded_and_roundtrip_any_dtype():
         out.update({k: v.clone() for k, v in unpack_bucket(header, buffer)})
     for name, t in tensors:
         assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+
+
+def test_reused_bucket_buffer_grows_and_offsets_are_aligned():
+    small = [("a", torch.randn(3))]
+    large = [("b", torch.randn(100)), ("c", torch.randn(7).to(torch.bfloat16))]
+    header, buffer = pack_bucket(large, 1, None, torch.device("cpu"))
+    assert all(e.offset % ALIGN == 0 for e in header.entries)
+    header, again = pack_bucket(small, 2, buffer, torch.device("cpu"))
+    assert again is buffer and header.nbytes < buffer.numel()  # kept at its size for the next bucket
+    packed, _ = pack_tensors(small, buffer)
+    assert packed.data_ptr() == buffer.data_ptr() and packed.numel() == header.nbytes
+
+
+def test_weights_payload_pickles_as_one_buffer_and_back_exactly():
+    """Every dtype (bf16 too), 0-d and non-contiguous tensors, with and without probe logprobs; one
+    numpy buffer reused across versions (large enough, larger, too small)."""
+    state = {
+        "w": torch.randn(3, 4),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "strided": torch.randn(4, 6)[:, ::2],
+        "ids": torch.arange(7),
+    }
+    for probe in (None, torch.randn(2, 5)):
+        back = pickle.loads(pickle.dumps(WeightsPayload(3, state, probe, 0.7)))
+        assert (back.version, back.temperature) == (3, 0.7)
+        assert back.state.keys() == state.keys()
+        for k, v in state.items():
+            assert back.state[k].dtype == v.dtype and torch.equal(back.state[k], v), k
+        assert probe is None and back.probe_logprobs is None or torch.equal(back.probe_logprobs, probe)
+    size = packed_nbytes(state)
+    for buffer in (np.empty(size, np.uint8), np.empty(size + 100, np.uint8), np.empty(size // 2, np.uint8)):
+        first = pickle.dumps(WeightsPayload(1, state, None, 1.0, buffer))
+        doubled = {k: v * 2 for k, v in state.items()}
+        second = pickle.dumps(WeightsPayload(2, doubled, None, 1.0, buffer))
+        for blob, want in ((first, state), (second, doubled)):
+            back = pickle.loads(blob).state
+            assert all(torch.equal(back[k], v) for k, v in want.items())
 
 
 # ---------------------------------------------------------------------------- across processes

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.rng_state import load_rng, save_rng
 
@@ -530,9 +531,6 @@ def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in full.items()}
 
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _consolidated_model(root: Path, dtype: torch.dtype | None):
     config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -553,8 +551,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None
     result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights stay fp32 unless `dtype`
     ("float32", "bfloat16" or "float16") says otherwise.
     """
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(EXPORT_DTYPES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
     root = Path(checkpoint_dir).absolute()
     out = Path(out_dir).absolute()
     read_metadata(root)
@@ -562,7 +560,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None
         raise ValueError(
             f"export directory '{out}' exists and is not empty; pass a new directory or delete it"
         )
-    model = _consolidated_model(root, EXPORT_DTYPES[dtype] if dtype else None)
+    model = _consolidated_model(root, DTYPES[dtype] if dtype else None)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         model.save_pretrained(tmp, safe_serialization=True)

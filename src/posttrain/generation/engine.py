@@ -11,94 +11,45 @@ trickle of one-slot prefills would cost more than the slots it fills.
 
 Three ways in: `generate(prompts, params)` blocks and returns results in prompt order (the
 synchronous loop); `submit()` + `step()` / `iter_results()` hand results back as they finish; and
-`agenerate()` / `agenerate_all()` / `astream()` do the same for asyncio code (one stepping thread runs while there is
-work, so the event loop stays free to submit more). The engine starts no thread at construction, so it can be built
-inside a Ray actor (see generation/rollout.py).
+`agenerate()` / `agenerate_all()` / `astream()` do the same for asyncio code (one stepping thread runs
+while there is work, so the event loop stays free to submit more; generation/stepper.py). The engine
+starts no thread at construction, so it can be built inside a Ray actor (see generation/rollout.py).
+
+This file is the core: requests, slots, prefill/decode scheduling, sleep/wake. Weight loading is
+generation/weights.py, the LM head and sequence scoring generation/lm_head.py.
 
 Departures from `transformers.generate`: a static per-slot cache instead of a growing
 `DynamicCache` (no concatenation per step), 4-D masks built by the engine (transformers uses them
 as they are), logits computed only at each prompt's last position during prefill, counter-based
 per-request random streams (generation/sampler.py), and for plain-head families (Llama, Qwen2/3,
-Mistral) the LM head applied by the engine: on CPU through a oneDNN-packed copy of its weight.
+Mistral) the LM head applied by the engine: on CPU through a oneDNN-packed copy of its weight
+(generation/lm_head.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import itertools
 import math
 import threading
-import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from posttrain.dtypes import DTYPES
 from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lean_decode import LeanDecoder
-from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
+from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
+from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
-from posttrain.generation.weights import WeightLoad, WeightsLike, named_tensors
-from posttrain.logging import get_logger
-from posttrain.models.logprobs import token_logprobs
+from posttrain.generation.stepper import AsyncStepping
+from posttrain.generation.weights import EngineWeights
 
-log = get_logger(__name__)
+__all__ = ["EngineStateError", "GenerationEngine"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user-seeded ones
 DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds the KV cache)
-
-
-_STEPPER_IDLE_S = 0.5  # an idle stepping thread waits this long for more work before it exits
-
-
-def _post(loop: asyncio.AbstractEventLoop | None, fn, arg) -> None:
-    """Run fn(arg) on the event loop; dropped when the loop has closed (nobody is waiting)."""
-    try:
-        loop.call_soon_threadsafe(fn, arg)
-    except (RuntimeError, AttributeError):
-        pass
-
-
-_STEPPERS: weakref.WeakKeyDictionary[threading.Thread, GenerationEngine] = weakref.WeakKeyDictionary()
-
-
-@atexit.register
-def _stop_steppers() -> None:
-    """Stop and join running stepping threads before the interpreter tears torch down (a daemon
-    thread still inside a torch op at that point aborts the process)."""
-    for thread, engine in list(_STEPPERS.items()):
-        with engine._work:
-            engine._closing = True
-            engine._work.notify_all()
-        thread.join(timeout=10)
-
-
-class EngineStateError(RuntimeError):
-    """The engine cannot do this now (asleep, weights missing, requests in flight); the message says
-    which call fixes it."""
-
-
-_PLAIN_HEAD_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-_HEAD_CHUNK = 4096  # vocabulary columns per LM-head matmul on CPU (the output block stays in cache)
-_PACK_MIN_NUMEL = 1 << 20  # smaller LM heads: F.linear is as fast, and packing per sync is not free
-
-
-def _plain_head_body(model):
-    """The decoder body of a model whose logits are exactly `lm_head(body(...).last_hidden_state)`
-    (no bias, scaling or soft-capping), or None; for those the engine applies the LM head itself."""
-    head = model.get_output_embeddings()
-    config = model.config
-    plain = (
-        getattr(config, "model_type", None) in _PLAIN_HEAD_FAMILIES
-        and isinstance(head, torch.nn.Linear)
-        and head.bias is None
-        and getattr(config, "final_logit_softcapping", None) is None
-        and getattr(config, "logit_scale", None) is None
-    )
-    return getattr(model, "model", None) if plain else None
 
 
 def _check_supported(model, max_len: int) -> None:
@@ -115,8 +66,10 @@ def _check_supported(model, max_len: int) -> None:
         )
 
 
-class GenerationEngine:
-    """Batched sampler over one Hugging Face causal LM; see the module docstring."""
+class GenerationEngine(AsyncStepping, EngineWeights):
+    """Batched sampler over one Hugging Face causal LM; see the module docstring. The asyncio verbs
+    come from `AsyncStepping` (generation/stepper.py), the weight verbs from `EngineWeights`
+    (generation/weights.py)."""
 
     def __init__(self, model, tokenizer=None, cfg: GenerationConfig | None = None) -> None:
         self.cfg = cfg or GenerationConfig()
@@ -136,11 +89,9 @@ class GenerationEngine:
         self.vocab_size = int(config.vocab_size)
         self.max_len = int(self.cfg.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN))
         _check_supported(model, self.max_len)
-        self._lm_head = model.get_output_embeddings()
-        self._body = _plain_head_body(model)
+        self._head = LMHead(model.get_output_embeddings(), self.cfg.max_num_seqs)
+        self._body = plain_head_body(model)  # set: the engine applies the LM head itself
         self._lean = LeanDecoder.for_model(model) if self._body is not None else None
-        self._packed: tuple[tuple, torch.Tensor] | None = None  # see _packed_head
-        self._pack_failed = not torch.backends.mkldnn.is_available()
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
@@ -167,12 +118,7 @@ class GenerationEngine:
         self._parked: list[GenerationResult] = []  # finished while nobody was asking for them
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._futures: dict[int, asyncio.Future] = {}
-        self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
-        self._stepping = False  # a stepping thread is running (see _ensure_driver)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_ids: set[int] = set()  # requests made by agenerate()/astream()
-        self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
+        self._build_stepper()
         self._admit_paused = False
         self._admit_delay = 0  # decode steps that left free slots unfilled (see _admit_due)
         self.num_generated_tokens = 0
@@ -428,14 +374,14 @@ class GenerationEngine:
         """Logits [b, V] at position `last[i]` of each row, computing the LM head only there."""
         rows = torch.arange(ids.shape[0], device=ids.device)
         if self._body is not None:
-            return self._head(self._hidden(ids, position_ids, mask)[rows, last])
-        if self._lm_head is None:
+            return self._head(self._hidden(ids, position_ids, mask)[rows, last], self._shared)
+        if self._head.module is None:
             return self._forward(ids, position_ids, mask)[rows, last]
 
         def pick(module, args):
             return (args[0][rows, last][:, None], *args[1:])
 
-        handle = self._lm_head.register_forward_pre_hook(pick)
+        handle = self._head.module.register_forward_pre_hook(pick)
         try:
             return self._forward(ids, position_ids, mask)[:, 0]
         finally:
@@ -444,43 +390,6 @@ class GenerationEngine:
     def _hidden(self, ids, position_ids, mask) -> torch.Tensor:
         """Final hidden states [b, t, H] of the decoder body (plain-head models only)."""
         return self._run(self._body, ids, position_ids, mask).last_hidden_state
-
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on hidden states [n, H] -> logits [n, V]. On CPU it uses a oneDNN copy of the
-        weight packed for matmul (11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one
-        thread), packed again after every load; not for shared weights, whose in-place updates (a fused
-        optimizer step bumps no version counter) a copy would miss. Otherwise (and where oneDNN is
-        missing) vocabulary blocks into one output buffer."""
-        weight = self._lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] == 0:
-            return torch.nn.functional.linear(hidden, weight)
-        packed = self._packed_head(weight)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
-        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-        for start in range(0, weight.shape[0], _HEAD_CHUNK):
-            end = start + _HEAD_CHUNK
-            torch.mm(hidden, weight[start:end].t(), out=out[:, start:end])
-        return out
-
-    def _packed_head(self, weight: torch.Tensor):
-        """The oneDNN-packed LM-head weight (re-packed when its storage changed; loads, sleep and wake
-        drop it); None for shared or small heads, non-fp32 weights, or a torch build without oneDNN."""
-        if self._pack_failed or self._shared or weight.dtype != torch.float32:
-            return None
-        if weight.numel() < _PACK_MIN_NUMEL:
-            return None
-        key = (weight.data_ptr(), tuple(weight.shape))
-        if self._packed is None or self._packed[0] != key:
-            self._packed = None
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.cfg.max_num_seqs)
-            except (AttributeError, RuntimeError) as e:  # no oneDNN in this build
-                log.info("oneDNN-packed LM head unavailable (%s); using blocked matmuls", e)
-                self._pack_failed = True
-                return None
-            self._packed = (key, packed)
-        return self._packed[1]
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as an additive float one (0 / dtype min): sdpa takes its fast path
@@ -515,9 +424,9 @@ class GenerationEngine:
         mask = self._additive(self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
         self.cache.plan_decode(n, pos, length)
         if self._lean is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
+            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache), self._shared)
         elif self._body is not None:
-            logits = self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1])
+            logits = self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1], self._shared)
         else:
             logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
         tokens, logprobs = sample(logits, self._rows, self._count[:n])
@@ -555,148 +464,6 @@ class GenerationEngine:
         self._active = [self._active[i] for i in keep]
         self._rows = None
 
-    # ------------------------------------------------------------------ asyncio
-
-    async def agenerate(
-        self,
-        prompt: list[int],
-        params: SamplingParams | None = None,
-        *,
-        stream_index: int = 0,
-        prompt_index: int | None = None,
-    ) -> GenerationResult:
-        """Submit one request and wait for its result (other coroutines may submit meanwhile)."""
-        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
-        fut = self._track(req)
-        self._waiting.append(req)
-        self._ensure_driver()
-        try:
-            return await fut
-        finally:
-            self._futures.pop(req.request_id, None)  # also when cancelled: nobody waits any more
-
-    async def astream(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-    ) -> AsyncIterator[GenerationResult]:
-        """Submit prompts and yield each result as soon as it finishes (completion order)."""
-        reqs = self._make_requests(prompts, params)
-        futs = [self._track(r) for r in reqs]
-        self._waiting.extend(reqs)
-        self._ensure_driver()
-        for fut in asyncio.as_completed(futs):
-            yield await fut
-
-    async def agenerate_all(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[GenerationResult]:
-        """Submit prompts together and wait for all their results, in prompt order (request k draws
-        from stream k, as in `generate`). One wake-up of the caller for all of them, where `astream`
-        has one per result."""
-        reqs = self._make_requests(prompts, params)
-        futs = [self._track(r) for r in reqs]
-        self._waiting.extend(reqs)
-        self._ensure_driver()
-        try:
-            return list(await asyncio.gather(*futs))
-        finally:
-            for r in reqs:
-                self._futures.pop(r.request_id, None)  # also when cancelled: nobody waits any more
-
-    def _track(self, req: Request) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self._futures[req.request_id] = fut
-        self._async_ids.add(req.request_id)  # its result goes to the loop (or is dropped), never parked
-        return fut
-
-    def _ensure_driver(self) -> None:
-        """Make sure the stepping thread runs and serves the calling event loop. The thread steps while
-        there is work, hands finished results to the loop (which stays free), idles a moment when the
-        work runs out (the next burst reuses it) and then exits."""
-        loop = asyncio.get_running_loop()
-        with self._work:
-            self._loop = loop  # results go to the loop that asked last (an engine may outlive a loop)
-            start = not self._stepping
-            self._stepping = True
-        # from the loop's next turn, so that requests submitted by coroutines scheduled in this turn
-        # (asyncio.gather over a group's completions) are admitted, and prefilled, together
-        loop.call_soon(self._start_stepping if start else self._wake_stepper)
-
-    def _start_stepping(self) -> None:
-        thread = threading.Thread(target=self._step_loop, name="engine-steps", daemon=True)
-        _STEPPERS[thread] = self
-        thread.start()
-
-    def _wake_stepper(self) -> None:
-        with self._work:
-            self._work.notify()
-
-    def _has_async_work(self) -> bool:
-        return bool(self._active or (self._waiting and not self._admit_paused))
-
-    def _step_loop(self) -> None:
-        loop = None
-        try:
-            while True:
-                with self._work:
-                    if not self._has_async_work() and not self._closing:
-                        self._work.wait(_STEPPER_IDLE_S)
-                    if self._closing or not self._has_async_work():
-                        self._stepping = False
-                        return
-                    loop = self._loop
-                waited = self._step_once(park=True)  # submit()/generate() results wait for step()
-                self._async_ids.difference_update(r.request_id for r in waited)
-                if waited:
-                    _post(loop, self._deliver, waited)
-        except BaseException as e:  # hand the error to every waiter
-            with self._work:
-                self._stepping = False
-                loop = self._loop
-            log.error("generation step failed: %r", e)
-            _post(loop, self._fail_all, e)
-
-    def _deliver(self, results: list[GenerationResult]) -> None:
-        """Resolve the futures of finished requests (on the event loop); a cancelled waiter's result is
-        dropped."""
-        for res in results:
-            fut = self._futures.pop(res.request_id, None)
-            if fut is not None and not fut.done():
-                try:
-                    fut.set_result(res)
-                except RuntimeError:  # its loop has closed (asyncio.run ended): nobody is waiting
-                    pass
-
-    def _fail_all(self, error: BaseException) -> None:
-        for fut in self._futures.values():
-            if not fut.done():
-                try:
-                    fut.set_exception(error)
-                except RuntimeError:  # its loop has closed
-                    pass
-        self._futures.clear()
-
-    async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:
-        """Load weights between requests: admission pauses, running sequences finish, weights load,
-        admission resumes (waiting requests then run on the new weights).
-
-        Idle is read under the stepping lock, between steps: a step that began before the pause may
-        still be prefilling sequences it admitted. Once idle is seen with admission paused, no step
-        admits any more (and load_weights takes the lock for the load itself)."""
-        self._admit_paused = True
-        try:
-            while True:
-                idle = False
-                if self._lock.acquire(blocking=False):
-                    idle = not self._active
-                    self._lock.release()
-                if idle:
-                    return self.load_weights(weights, version)
-                await asyncio.sleep(0.001)
-        finally:
-            self._admit_paused = False
-            if self._waiting:
-                self._ensure_driver()
-
     # ------------------------------------------------------------------ logprobs
 
     def compute_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> torch.Tensor:
@@ -721,15 +488,9 @@ class GenerationEngine:
         lengths = torch.tensor([len(s) for s in chunk], device=self.device)
         # not self._arange: scoring is not bound by the KV cache's max_model_len
         valid = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-        if self._body is not None:  # the generation path's LM head, so the probe check covers it
-            hidden = self._body(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
-            logits = self._head(hidden.reshape(-1, hidden.shape[-1])).view(*ids.shape, -1)
-        else:
-            logits = self.model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
-        lp = token_logprobs(logits[:, :-1].float() / temperature, ids[:, 1:])
-        return (torch.nn.functional.pad(lp, (1, 0)) * valid).cpu()
+        return sequence_logprobs(self.model, self._body, self._head, ids, valid, temperature, self._shared)
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ idle check (weights, sleep)
 
     def _check_idle(self, verb: str) -> None:
         if self._active:
@@ -737,47 +498,6 @@ class GenerationEngine:
                 f"{verb}() while {len(self._active)} sequences are decoding; call it between requests "
                 "(after generate() returns, or via load_weights_async() from asyncio code)"
             )
-
-    def begin_load(self, share: bool = False) -> WeightLoad:
-        """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
-        to generate until `WeightLoad.finish(version)` has checked that every tensor arrived. With
-        `share` the tensors will be aliased, not copied (see share_weights)."""
-        self._check_idle("load_weights")
-        if self._sleeping:
-            raise EngineStateError("load_weights() while asleep; call wake() first")
-        if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
-            state = self.model.state_dict(keep_vars=True).values()
-            for t in {id(t): t for t in state}.values():
-                t.data = torch.empty_like(t.data)
-            self._shared = False
-        self._weights_valid = False
-        return WeightLoad(self)
-
-    def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
-        """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.
-
-        Names, shapes and completeness are checked; until a complete load succeeds the engine refuses
-        to generate (so half-loaded weights cannot be used). Dtype and device are converted."""
-        with self._lock, torch.no_grad():
-            load = self.begin_load()
-            for name, tensor in named_tensors(weights):
-                load.add(name, tensor)
-            return load.finish(version)
-
-    def share_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
-        """Point the engine's parameters at the given tensors (no copy): same shape, dtype and device
-        required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
-        with self._lock, torch.no_grad():
-            load = self.begin_load(share=True)
-            for name, tensor in named_tensors(weights):
-                load.add(name, tensor, share=True)
-            self._shared = True
-            return load.finish(version)
-
-    def _mark_loaded(self, version: int) -> None:
-        self._packed = None  # loads write through .data, which bumps no version counter
-        self._weights_valid = True
-        self.weight_version = int(version)
 
     # ------------------------------------------------------------------ sleep / wake
 
@@ -795,7 +515,7 @@ class GenerationEngine:
                 return {"bytes_released": 0.0}
             released = self.cache.nbytes()
             self.cache.free()
-            self._packed = None
+            self._head.drop_packed()
             keep_host = keep_weights and not self._shared
             if not (keep_host and self.device.type == "cpu"):
                 released += self._release_params(keep_host)
@@ -805,32 +525,12 @@ class GenerationEngine:
             self._sleeping = True
             return {"bytes_released": float(released)}
 
-    def _release_params(self, to_host: bool) -> int:
-        released = 0
-        pin = self.device.type == "cuda"
-        for name, p in self.model.named_parameters():
-            host = None
-            if to_host:
-                host = p.data.to("cpu", copy=True)
-                host = host.pin_memory() if pin else host
-            self._released[name] = (p.shape, p.dtype, host)
-            released += p.numel() * p.element_size()
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        self._shared = False
-        return released
-
     def wake(self) -> None:
         """Restore what `sleep()` released (parameters from host memory, or empty ones awaiting
         load_weights()); the KV cache is allocated again on the next forward. Idempotent."""
         with self._lock:
             if not self._sleeping:
                 return
-            params = dict(self.model.named_parameters())
-            for name, (shape, dtype, host) in self._released.items():
-                if host is not None:
-                    params[name].data = host.to(self.device)
-                else:
-                    params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
-            self._released = {}
-            self._packed = None
+            self._restore_params()
+            self._head.drop_packed()
             self._sleeping = False

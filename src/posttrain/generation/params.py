@@ -1,5 +1,5 @@
-"""Typed contracts of the generation engine: its config, the sampling parameters of a request, and the
-result of a finished request.
+"""Typed contracts of the generation engine: its config, the sampling parameters of a request, the
+result of a finished request, and the error of a call the engine cannot serve in its current state.
 
 Logprob convention: `GenerationResult.logprobs[i]` is the logprob of `token_ids[i]` under
 `softmax(logits / temperature)` over the whole vocabulary, i.e. exactly what the trainer computes with
@@ -17,6 +17,11 @@ from pydantic import Field, field_validator
 from posttrain.config import Config
 
 FinishReason = Literal["stop", "length"]
+
+
+class EngineStateError(RuntimeError):
+    """The engine cannot do this now (asleep, weights missing, requests in flight); the message says
+    which call fixes it."""
 
 
 class GenerationConfig(Config):

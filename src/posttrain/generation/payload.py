@@ -1,79 +1,93 @@
-"""One weight version as one packed byte buffer: `pack_tensors` copies a state dict (any dtype, device,
-layout) into one flat aligned uint8 buffer (reusable across versions) and `unpack_tensors` gives views
-of it back; `WeightsPayload` is what a rollout worker loads: the state dict and the trainer's probe
-logprobs, pickled as one buffer (one `ray.put` per version; Ray hands it to actors without a copy).
+"""The one weight packer: many tensors into one flat uint8 buffer, and back out as views.
+
+Each tensor starts at a 64-byte aligned offset, so its view has the alignment its dtype wants. One
+buffer crosses a process boundary (a broadcast, a CUDA IPC handle, a pickle) with much less per-tensor
+overhead than one message or one pickled tensor per tensor, and the output buffer is reused across
+weight versions (or buckets) when it is large enough. Two users:
+
+- weight_sync.py's buckets: a bucket of the trainer's weights packed into a device buffer, broadcast
+  over a process group or shared over CUDA IPC, unpacked by the engine (`PackEntry` is its header's
+  index).
+- `WeightsPayload`: one weight version for a rollout worker (state dict + the trainer's probe
+  logprobs), pickled as one packed buffer (one `ray.put` per version).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+ALIGN = 64  # byte alignment of each tensor inside a packed buffer
 
-def _to_bytes(t: torch.Tensor) -> tuple[Any, torch.dtype, tuple[int, ...]]:
-    """A tensor as a flat uint8 numpy array (any dtype, bf16 included) with its dtype and shape."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy(), t.dtype, tuple(t.shape)
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def _from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    with warnings.catch_warnings():  # Ray hands out read-only buffers; loading copies them
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(data).view(dtype).reshape(shape)
+class PackEntry(NamedTuple):
+    """Where one tensor lies in a packed buffer (a tuple: it pickles small)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the buffer, a multiple of ALIGN
+    nbytes: int  # bytes of the tensor itself (the next one starts at the next aligned offset)
 
 
-_ALIGN = 64  # byte alignment of each tensor inside a packed buffer
-
-# (name, dtype, shape, byte offset, byte size) of each tensor in a packed buffer
-PackIndex = list[tuple[str, torch.dtype, tuple[int, ...], int, int]]
+PackIndex = list[PackEntry]
 
 
-def _pack_index(tensors: dict[str, torch.Tensor]) -> tuple[PackIndex, int]:
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to the alignment of a packed tensor."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def _pairs(tensors: Tensors) -> list[tuple[str, torch.Tensor]]:
+    return list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+
+
+def pack_index(tensors: Tensors) -> tuple[PackIndex, int]:
+    """The index of `tensors` in a packed buffer, and the buffer's size in bytes."""
     index, size = [], 0
-    for name, t in tensors.items():
+    for name, t in _pairs(tensors):
         n = t.numel() * t.element_size()
-        index.append((name, t.dtype, tuple(t.shape), size, n))
-        size += -(-n // _ALIGN) * _ALIGN
+        index.append(PackEntry(name, t.dtype, tuple(t.shape), size, n))
+        size += aligned(n)
     return index, size
 
 
-def packed_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+def packed_nbytes(tensors: Tensors) -> int:
     """Bytes `pack_tensors` needs for `tensors`."""
-    return _pack_index(tensors)[1]
+    return pack_index(tensors)[1]
 
 
 def pack_tensors(
-    tensors: dict[str, torch.Tensor], out: np.ndarray | None = None
-) -> tuple[np.ndarray, PackIndex]:
-    """Copy `tensors` (any dtype, device, layout) into one flat uint8 buffer, `out` when it is large
-    enough (reused across weight versions), else a new one. One buffer pickles, and crosses to a Ray
-    actor, with much less per-tensor overhead than one array per tensor."""
-    index, size = _pack_index(tensors)
-    buf = out if out is not None and out.nbytes >= size else np.empty(size, dtype=np.uint8)
-    buf = buf[:size]
-    base = torch.from_numpy(buf)
-    for (_, dtype, shape, offset, n), t in zip(index, tensors.values()):
-        base[offset : offset + n].view(dtype).view(shape).copy_(t.detach())
+    tensors: Tensors, out: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, PackIndex]:
+    """Copy `tensors` (any dtype, device, layout) into one flat uint8 buffer; returns it, exactly as
+    many bytes as it holds, and its index. The buffer is a view of `out` when `out` is large enough
+    (reuse it across versions or buckets), else a new one on `device` (default: the CPU)."""
+    pairs = _pairs(tensors)
+    index, size = pack_index(pairs)
+    if out is None or out.numel() < size:
+        out = torch.empty(size, dtype=torch.uint8, device=device or "cpu")
+    buf = out[:size]
+    for (_, t), e in zip(pairs, index):
+        buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(t.detach())
     return buf, index
 
 
-def unpack_tensors(buf: np.ndarray, index: PackIndex) -> dict[str, torch.Tensor]:
-    """Views of the tensors of a `pack_tensors` buffer (no copy)."""
-    with warnings.catch_warnings():  # Ray hands out read-only buffers; loading copies them
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        base = torch.from_numpy(buf)
-    return {name: base[o : o + n].view(dtype).view(shape) for name, dtype, shape, o, n in index}
-
-
-def _rebuild_payload(
-    version: int, packed: tuple[np.ndarray, PackIndex], probe: Any, temperature: float
-) -> WeightsPayload:
-    probe_logprobs = None if probe is None else _from_bytes(*probe)
-    return WeightsPayload(version, unpack_tensors(*packed), probe_logprobs, temperature)
+def unpack_tensors(buffer: torch.Tensor | np.ndarray, index: PackIndex) -> dict[str, torch.Tensor]:
+    """Views of the tensors of a packed buffer (no copy: valid while the buffer is neither freed nor
+    refilled). A numpy buffer may be read-only (Ray hands those out): a load copies out of it."""
+    if isinstance(buffer, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            buffer = torch.from_numpy(buffer)
+    return {e.name: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in index}
 
 
 @dataclass
@@ -93,6 +107,26 @@ class WeightsPayload:
     buffer: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        packed = pack_tensors(self.state, self.buffer)
+        out = None if self.buffer is None else torch.from_numpy(self.buffer)
+        packed, index = pack_tensors(self.state, out)
         probe = None if self.probe_logprobs is None else _to_bytes(self.probe_logprobs)
-        return _rebuild_payload, (self.version, packed, probe, self.temperature)
+        return _rebuild_payload, (self.version, packed.numpy(), index, probe, self.temperature)
+
+
+def _rebuild_payload(
+    version: int, packed: np.ndarray, index: PackIndex, probe: Any, temperature: float
+) -> WeightsPayload:
+    probe_logprobs = None if probe is None else _from_bytes(*probe)
+    return WeightsPayload(version, unpack_tensors(packed, index), probe_logprobs, temperature)
+
+
+def _to_bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
+    """A tensor as a flat uint8 numpy array (any dtype, bf16 included) with its dtype and shape."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy(), t.dtype, tuple(t.shape)
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # Ray hands out read-only buffers; loading copies them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data).view(dtype).reshape(shape)

@@ -8,8 +8,9 @@ Three transports, one contract (a stream of full, unsharded `(name, tensor)` pai
   and device match and nothing is sharded).
 - Other processes: a dedicated torch.distributed group (`WeightSyncGroup`: gloo on CPU, NCCL on GPU)
   built from its own TCPStore, independent of the trainer's default group. Rank 0 (the trainer side)
-  broadcasts buckets of at most `bucket_mb` (a single larger tensor travels alone); each bucket is
-  preceded by a header with names, shapes, dtypes, offsets and the version.
+  broadcasts buckets of at most `bucket_mb` (a single larger tensor travels alone), each packed into
+  one buffer by generation/payload.py; each bucket is preceded by a header with names, shapes,
+  dtypes, offsets and the version.
 - CUDA IPC: for an engine in another process on the same GPU, the sender fills one device buffer per
   bucket and hands out an IPC handle to it (`iter_ipc_buckets`); the engine copies out of it
   (`load_ipc_bucket`) before the sender refills the buffer. No copy through the host.
@@ -36,14 +37,13 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config import Config
 from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.payload import PackEntry, aligned, pack_tensors, unpack_tensors
 from posttrain.generation.probe import ProbeBatch, ProbeConfig, check_probe, probe_metrics
 from posttrain.generation.weights import WeightLoad
 from posttrain.logging import get_logger
 from posttrain.parallel.mesh import free_port
 
 log = get_logger(__name__)
-
-_ALIGN = 64  # byte alignment of tensors inside a bucket
 
 
 class WeightSyncConfig(Config):
@@ -91,30 +91,13 @@ def sync_model(model: torch.nn.Module, engine: GenerationEngine, version: int, s
 
 
 @dataclass
-class BucketEntry:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-
-
-@dataclass
 class BucketHeader:
     """What the next bucket holds; `final` marks the end of a sync (no buffer follows)."""
 
     version: int
-    entries: list[BucketEntry] = field(default_factory=list)
+    entries: list[PackEntry] = field(default_factory=list)  # the bucket's pack index
     nbytes: int = 0
     final: bool = False
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def plan_buckets(
@@ -124,7 +107,7 @@ def plan_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in weights:
-        n = _aligned(t.numel() * t.element_size())
+        n = aligned(t.numel() * t.element_size())
         if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -137,24 +120,17 @@ def plan_buckets(
 def pack_bucket(
     bucket: list[tuple[str, torch.Tensor]], version: int, buffer: torch.Tensor | None, device: torch.device
 ) -> tuple[BucketHeader, torch.Tensor]:
-    """Copy a bucket's tensors into one uint8 buffer (reused when large enough); return its header."""
-    header = BucketHeader(version=version)
-    for name, t in bucket:
-        n = t.numel() * t.element_size()
-        header.entries.append(BucketEntry(name, tuple(t.shape), str(t.dtype), header.nbytes, n))
-        header.nbytes += _aligned(n)
-    if buffer is None or buffer.numel() < header.nbytes:
-        buffer = torch.empty(header.nbytes, dtype=torch.uint8, device=device)
-    for (_, t), e in zip(bucket, header.entries):
-        buffer[e.offset : e.offset + e.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-    return header, buffer
+    """Pack a bucket's tensors into one uint8 buffer (`buffer` when large enough, else a new one on
+    `device`); return its header and the buffer to reuse for the next bucket (its first
+    `header.nbytes` bytes hold this one)."""
+    packed, index = pack_tensors(bucket, buffer, device)
+    header = BucketHeader(version=version, entries=index, nbytes=packed.numel())
+    return header, packed if buffer is None or packed.numel() > buffer.numel() else buffer
 
 
 def unpack_bucket(header: BucketHeader, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """Views of the tensors of a received bucket (valid until the buffer is reused)."""
-    for e in header.entries:
-        raw = buffer[e.offset : e.offset + e.nbytes]
-        yield e.name, raw.view(_dtype(e.dtype)).view(e.shape)
+    yield from unpack_tensors(buffer, header.entries).items()
 
 
 # ---------------------------------------------------------------------------- cross-process group

@@ -1,15 +1,20 @@
 """Loading weights into a `GenerationEngine`: every tensor checked by name and shape on the way in,
-completeness checked at the end, so half-loaded weights can never be used for generation."""
+completeness checked at the end, so half-loaded weights can never be used for generation.
+
+`EngineWeights` holds the engine's weight verbs (`begin_load`, `load_weights`, `share_weights`) and the
+parameter release/restore behind `sleep()`/`wake()`; `GenerationEngine` mixes it in. `WeightLoad` knows
+only the model and a callback, so this module does not import the engine.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-if TYPE_CHECKING:
-    from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.lm_head import LMHead
+from posttrain.generation.params import EngineStateError
 
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -21,11 +26,12 @@ def named_tensors(weights: WeightsLike) -> Iterator[tuple[str, torch.Tensor]]:
 
 class WeightLoad:
     """One weight load into an engine: every tensor checked by name and shape, completeness checked at
-    the end (tied aliases count once). Made by `GenerationEngine.begin_load()`."""
+    the end (tied aliases count once). Made by `GenerationEngine.begin_load()`; `finish` hands the
+    version to `on_finish` (the engine's `_mark_loaded`)."""
 
-    def __init__(self, engine: GenerationEngine) -> None:
-        self.engine = engine
-        state = engine.model.state_dict(keep_vars=True)
+    def __init__(self, model: torch.nn.Module, on_finish: Callable[[int], None]) -> None:
+        self.on_finish = on_finish
+        state = model.state_dict(keep_vars=True)
         self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
         self.seen: set[int] = set()
         self.nbytes = 0
@@ -75,7 +81,7 @@ class WeightLoad:
                 f"incomplete weights: {len(missing)} tensors were not sent (e.g. {missing[:3]}); the "
                 "engine refuses to generate until a load delivers the full state dict"
             )
-        self.engine._mark_loaded(version)
+        self.on_finish(version)
         return {
             "bytes": float(self.nbytes),
             "tensors": float(len(self.seen)),
@@ -90,3 +96,84 @@ def _aliases(target: torch.Tensor, tensor: torch.Tensor) -> bool:
         and target.storage_offset() == tensor.storage_offset()
         and target.stride() == tensor.stride()
     )
+
+
+class EngineWeights:
+    """The weight verbs of `GenerationEngine`, mixed into it: they use the engine's model, lock, LM head,
+    its `_check_idle` and its state flags (declared below, set by the engine's constructor)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    weight_version: int
+    _lock: threading.Lock
+    _head: LMHead
+    _weights_valid: bool  # False from the start of a load until a complete one finishes
+    _shared: bool  # parameters alias the trainer's tensors (share_weights)
+    _sleeping: bool
+    _released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]]  # by sleep(), for wake()
+
+    def begin_load(self, share: bool = False) -> WeightLoad:
+        """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
+        to generate until `WeightLoad.finish(version)` has checked that every tensor arrived. With
+        `share` the tensors will be aliased, not copied (see share_weights)."""
+        self._check_idle("load_weights")
+        if self._sleeping:
+            raise EngineStateError("load_weights() while asleep; call wake() first")
+        if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
+            state = self.model.state_dict(keep_vars=True).values()
+            for t in {id(t): t for t in state}.values():
+                t.data = torch.empty_like(t.data)
+            self._shared = False
+        self._weights_valid = False
+        return WeightLoad(self.model, self._mark_loaded)
+
+    def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.
+
+        Names, shapes and completeness are checked; until a complete load succeeds the engine refuses
+        to generate (so half-loaded weights cannot be used). Dtype and device are converted."""
+        with self._lock, torch.no_grad():
+            load = self.begin_load()
+            for name, tensor in named_tensors(weights):
+                load.add(name, tensor)
+            return load.finish(version)
+
+    def share_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Point the engine's parameters at the given tensors (no copy): same shape, dtype and device
+        required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
+        with self._lock, torch.no_grad():
+            load = self.begin_load(share=True)
+            for name, tensor in named_tensors(weights):
+                load.add(name, tensor, share=True)
+            self._shared = True
+            return load.finish(version)
+
+    def _mark_loaded(self, version: int) -> None:
+        self._head.drop_packed()  # loads write through .data, which bumps no version counter
+        self._weights_valid = True
+        self.weight_version = int(version)
+
+    def _release_params(self, to_host: bool) -> int:
+        """Free the parameters' device memory (copied to host memory first with `to_host`); bytes freed."""
+        released = 0
+        pin = self.device.type == "cuda"
+        for name, p in self.model.named_parameters():
+            host = None
+            if to_host:
+                host = p.data.to("cpu", copy=True)
+                host = host.pin_memory() if pin else host
+            self._released[name] = (p.shape, p.dtype, host)
+            released += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self._shared = False
+        return released
+
+    def _restore_params(self) -> None:
+        """Undo `_release_params`: parameters from host memory, or empty ones awaiting a load."""
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype, host) in self._released.items():
+            if host is not None:
+                params[name].data = host.to(self.device)
+            else:
+                params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._released = {}

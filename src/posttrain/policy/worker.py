@@ -31,6 +31,7 @@ from posttrain.data.microbatch import (
     plan_shared_prefix,
 )
 from posttrain.data.normalization import LossFn, finalize_metrics
+from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import (
@@ -50,8 +51,6 @@ from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.train_step import NonFiniteLossError, OpenStep, loss_normalizer, merge_step_metrics
 
 log = get_logger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PolicyWorker:

@@ -1,0 +1,212 @@
+"""The asyncio side of the generation engine: one background stepping thread and the futures it resolves.
+
+`agenerate()` / `agenerate_all()` / `astream()` queue requests and await futures; a stepping thread runs
+the engine's steps while there is work, so the event loop stays free to submit more, and hands finished
+results back to the loop. The thread is started on demand (never at construction, so an engine can be
+built inside a Ray actor), idles a moment when the work runs out (the next burst reuses it) and then
+exits. Results of `submit()`/`generate()` requests that the thread finishes are parked for `step()`.
+
+`AsyncStepping` is mixed into `GenerationEngine`; it uses the engine's queues, lock and `_step_once`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from posttrain.generation.params import GenerationResult, SamplingParams
+from posttrain.generation.requests import Request
+from posttrain.generation.weights import WeightsLike
+from posttrain.logging import get_logger
+
+log = get_logger(__name__)
+
+_STEPPER_IDLE_S = 0.5  # an idle stepping thread waits this long for more work before it exits
+
+
+def _post(loop: asyncio.AbstractEventLoop | None, fn, arg) -> None:
+    """Run fn(arg) on the event loop; dropped when the loop has closed (nobody is waiting)."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except (RuntimeError, AttributeError):
+        pass
+
+
+_STEPPERS: weakref.WeakKeyDictionary[threading.Thread, AsyncStepping] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _stop_steppers() -> None:
+    """Stop and join running stepping threads before the interpreter tears torch down (a daemon
+    thread still inside a torch op at that point aborts the process)."""
+    for thread, engine in list(_STEPPERS.items()):
+        with engine._work:
+            engine._closing = True
+            engine._work.notify_all()
+        thread.join(timeout=10)
+
+
+class AsyncStepping:
+    """The asyncio verbs of `GenerationEngine` and the stepping thread behind them (a mixin: it uses
+    the engine's request queues, lock and steps, declared below)."""
+
+    _waiting: deque[Request]
+    _active: list[Request]
+    _lock: threading.Lock
+    _admit_paused: bool
+    _make_request: Callable[..., Request]
+    _make_requests: Callable[..., list[Request]]
+    _step_once: Callable[..., list[GenerationResult]]
+    load_weights: Callable[[WeightsLike, int], dict[str, float]]
+
+    def _build_stepper(self) -> None:
+        self._futures: dict[int, asyncio.Future] = {}
+        self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
+        self._stepping = False  # a stepping thread is running (see _ensure_driver)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_ids: set[int] = set()  # requests made by agenerate()/astream()
+        self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
+
+    async def agenerate(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        stream_index: int = 0,
+        prompt_index: int | None = None,
+    ) -> GenerationResult:
+        """Submit one request and wait for its result (other coroutines may submit meanwhile)."""
+        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
+        fut = self._track(req)
+        self._waiting.append(req)
+        self._ensure_driver()
+        try:
+            return await fut
+        finally:
+            self._futures.pop(req.request_id, None)  # also when cancelled: nobody waits any more
+
+    async def astream(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> AsyncIterator[GenerationResult]:
+        """Submit prompts and yield each result as soon as it finishes (completion order)."""
+        reqs = self._make_requests(prompts, params)
+        futs = [self._track(r) for r in reqs]
+        self._waiting.extend(reqs)
+        self._ensure_driver()
+        for fut in asyncio.as_completed(futs):
+            yield await fut
+
+    async def agenerate_all(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Submit prompts together and wait for all their results, in prompt order (request k draws
+        from stream k, as in `generate`). One wake-up of the caller for all of them, where `astream`
+        has one per result."""
+        reqs = self._make_requests(prompts, params)
+        futs = [self._track(r) for r in reqs]
+        self._waiting.extend(reqs)
+        self._ensure_driver()
+        try:
+            return list(await asyncio.gather(*futs))
+        finally:
+            for r in reqs:
+                self._futures.pop(r.request_id, None)  # also when cancelled: nobody waits any more
+
+    async def load_weights_async(self, weights: WeightsLike, version: int) -> dict[str, float]:
+        """Load weights between requests: admission pauses, running sequences finish, weights load,
+        admission resumes (waiting requests then run on the new weights).
+
+        Idle is read under the stepping lock, between steps: a step that began before the pause may
+        still be prefilling sequences it admitted. Once idle is seen with admission paused, no step
+        admits any more (and load_weights takes the lock for the load itself)."""
+        self._admit_paused = True
+        try:
+            while True:
+                idle = False
+                if self._lock.acquire(blocking=False):
+                    idle = not self._active
+                    self._lock.release()
+                if idle:
+                    return self.load_weights(weights, version)
+                await asyncio.sleep(0.001)
+        finally:
+            self._admit_paused = False
+            if self._waiting:
+                self._ensure_driver()
+
+    def _track(self, req: Request) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[req.request_id] = fut
+        self._async_ids.add(req.request_id)  # its result goes to the loop (or is dropped), never parked
+        return fut
+
+    def _ensure_driver(self) -> None:
+        """Make sure the stepping thread runs and serves the calling event loop. The thread steps while
+        there is work, hands finished results to the loop (which stays free), idles a moment when the
+        work runs out (the next burst reuses it) and then exits."""
+        loop = asyncio.get_running_loop()
+        with self._work:
+            self._loop = loop  # results go to the loop that asked last (an engine may outlive a loop)
+            start = not self._stepping
+            self._stepping = True
+        # from the loop's next turn, so that requests submitted by coroutines scheduled in this turn
+        # (asyncio.gather over a group's completions) are admitted, and prefilled, together
+        loop.call_soon(self._start_stepping if start else self._wake_stepper)
+
+    def _start_stepping(self) -> None:
+        thread = threading.Thread(target=self._step_loop, name="engine-steps", daemon=True)
+        _STEPPERS[thread] = self
+        thread.start()
+
+    def _wake_stepper(self) -> None:
+        with self._work:
+            self._work.notify()
+
+    def _has_async_work(self) -> bool:
+        return bool(self._active or (self._waiting and not self._admit_paused))
+
+    def _step_loop(self) -> None:
+        loop = None
+        try:
+            while True:
+                with self._work:
+                    if not self._has_async_work() and not self._closing:
+                        self._work.wait(_STEPPER_IDLE_S)
+                    if self._closing or not self._has_async_work():
+                        self._stepping = False
+                        return
+                    loop = self._loop
+                waited = self._step_once(park=True)  # submit()/generate() results wait for step()
+                self._async_ids.difference_update(r.request_id for r in waited)
+                if waited:
+                    _post(loop, self._deliver, waited)
+        except BaseException as e:  # hand the error to every waiter
+            with self._work:
+                self._stepping = False
+                loop = self._loop
+            log.error("generation step failed: %r", e)
+            _post(loop, self._fail_all, e)
+
+    def _deliver(self, results: list[GenerationResult]) -> None:
+        """Resolve the futures of finished requests (on the event loop); a cancelled waiter's result is
+        dropped."""
+        for res in results:
+            fut = self._futures.pop(res.request_id, None)
+            if fut is not None and not fut.done():
+                try:
+                    fut.set_result(res)
+                except RuntimeError:  # its loop has closed (asyncio.run ended): nobody is waiting
+                    pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for fut in self._futures.values():
+            if not fut.done():
+                try:
+                    fut.set_exception(error)
+                except RuntimeError:  # its loop has closed
+                    pass
+        self._futures.clear()
