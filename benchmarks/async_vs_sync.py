@@ -45,6 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import ChildDied, median, require, result_line, run_main  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from helpers import sync_config_like  # noqa: E402  (the tests' converter: same model, task, groups, steps)
 from posttrain.algorithms import grpo  # noqa: E402
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig  # noqa: E402
 from posttrain.algorithms.async_grpo.run import close, setup, train  # noqa: E402
@@ -124,31 +126,10 @@ def parallel_capacity(seconds: float) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def sync_config_like(cfg: AsyncGRPORunConfig) -> grpo.GRPOConfig:
-    """The synchronous run with the same model, task, groups and steps as the asynchronous `cfg` (not
-    colocated), with the synchronous loop's own default loss: on-policy, no importance sampling."""
-    a = cfg.async_grpo
-    loop = cfg.grpo.model_copy(
-        update={
-            "num_prompts_per_step": a.target_prompt_groups_per_step,
-            "max_num_steps": a.num_steps or cfg.grpo.max_num_steps,
-            "max_num_epochs": a.num_epochs or cfg.grpo.max_num_epochs,
-        }
-    )
-    sections = ("policy", "generation", "sampling", "task", "weight_sync", "checkpointing", "logging")
-    return grpo.GRPOConfig(
-        **{k: getattr(cfg, k) for k in sections},
-        loss=ClippedPGConfig(),
-        grpo=loop,
-        colocated=False,
-        output_dir=cfg.output_dir,
-    )
-
-
 def time_sync(cfg: AsyncGRPORunConfig) -> dict[str, float]:
     """The synchronous loop over the same steps (grpo.setup + grpo_step, the body of run_grpo), with
     its own default loss: on-policy, no importance sampling; it skips the prev-logprob pass."""
-    sync_cfg = sync_config_like(cfg)
+    sync_cfg = sync_config_like(cfg, loss=ClippedPGConfig())  # the sync loop's own default loss
     run = grpo.setup(sync_cfg, None)
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
     c0, t0 = time.process_time(), time.perf_counter()

@@ -40,9 +40,10 @@ def small_run_policy() -> dict:
     }
 
 
-def sync_config_like(cfg: AsyncGRPORunConfig) -> GRPOConfig:
-    """The synchronous run with the same model, task, groups, steps and loss as the asynchronous `cfg`
-    (not colocated): the two loops compared on equal samples (a test's converter, not the library's)."""
+def sync_config_like(cfg: AsyncGRPORunConfig, loss=None) -> GRPOConfig:
+    """The synchronous run with the same model, task, groups, steps and loss (or `loss`) as the
+    asynchronous `cfg` (not colocated): the two loops compared on equal samples (a converter of the
+    tests and benchmarks, not of the library)."""
     from posttrain.algorithms.grpo import GRPOConfig
 
     a = cfg.async_grpo
@@ -58,7 +59,7 @@ def sync_config_like(cfg: AsyncGRPORunConfig) -> GRPOConfig:
         generation=cfg.generation,
         sampling=cfg.sampling,
         task=cfg.task,
-        loss=a.loss,
+        loss=a.loss if loss is None else loss,
         grpo=loop,
         weight_sync=cfg.weight_sync,
         colocated=False,

@@ -220,34 +220,6 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
     policy.shutdown()
 
 
-def test_weights_payload_pickles_as_bytes_and_back_exactly():
-    """Every dtype (bf16 too), 0-d and non-contiguous tensors, with and without probe logprobs."""
-    state = {
-        "w": torch.randn(3, 4),
-        "half": torch.randn(5).to(torch.bfloat16),
-        "scalar": torch.tensor(2.5, dtype=torch.float64),
-        "strided": torch.randn(4, 6)[:, ::2],
-        "ids": torch.arange(7),
-    }
-    for probe in (None, torch.randn(2, 5)):
-        back = pickle.loads(pickle.dumps(WeightsPayload(3, state, probe, 0.7)))
-        assert (back.version, back.temperature) == (3, 0.7)
-        assert back.state.keys() == state.keys()
-        for k, v in state.items():
-            assert back.state[k].dtype == v.dtype and back.state[k].shape == v.shape, k
-            assert torch.equal(back.state[k], v), k
-        assert probe is None and back.probe_logprobs is None or torch.equal(back.probe_logprobs, probe)
-    # one buffer, reused across versions: each pickle holds the tensors of its own payload
-    size = packed_nbytes(state)
-    for buffer in (np.empty(size, np.uint8), np.empty(size + 100, np.uint8), np.empty(size // 2, np.uint8)):
-        first = pickle.dumps(WeightsPayload(1, state, None, 1.0, buffer))
-        doubled = {k: v * 2 for k, v in state.items()}
-        second = pickle.dumps(WeightsPayload(2, doubled, None, 1.0, buffer))
-        for blob, want in ((first, state), (second, doubled)):
-            back = pickle.loads(blob).state
-            assert all(torch.equal(back[k], v) for k, v in want.items())
-
-
 @pytest.fixture
 def flaky_reward(tmp_path, monkeypatch):
     """A reward module: raises for prompts with an even answer, 1.0 for the others."""

@@ -84,7 +84,12 @@ def sync_run(out: Path) -> dict[str, object]:
         "policy": small_run_policy(),
         "generation": {"max_num_seqs": 16},
         "sampling": {"max_new_tokens": 3},
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 4, "val_period": 2},
+        "grpo": {
+            "num_prompts_per_step": 4,
+            "num_generations_per_prompt": 4,
+            "max_num_steps": 4,
+            "val_period": 2,
+        },
         "task": {"max_eval_prompts": 8, "reward_fn": "golden_reward:reward"},
         "checkpointing": {"save_period": 4},
         "logging": {"progress_bar": False},

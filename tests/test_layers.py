@@ -85,5 +85,7 @@ def test_no_import_cycles():
 
 
 def test_no_file_over_600_lines():
-    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    long = {
+        str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    }
     assert long == {}

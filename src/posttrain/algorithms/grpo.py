@@ -381,7 +381,9 @@ def validate(run: Run) -> dict[str, float]:
     """Held-out accuracy (greedy when k=1) and pass@k over the eval prompts (rollout/validation.py)."""
     colocated_generation_start(run)
     try:
-        return rollout_validation.validate(run.engine, run.task, run.tokenizer, run.cfg.sampling, run.cfg.grpo)
+        return rollout_validation.validate(
+            run.engine, run.task, run.tokenizer, run.cfg.sampling, run.cfg.grpo
+        )
     finally:
         colocated_generation_end(run)
 

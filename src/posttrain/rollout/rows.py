@@ -37,7 +37,6 @@ class GroupSamples:
     rows: dict[str, np.ndarray] | None = None  # training rows (attach_rows), None until laid out
 
 
-
 def samples_to_batch(
     results: list[GenerationResult],
     rewards: torch.Tensor,

@@ -90,7 +90,9 @@ class AsyncGRPOController:
         self.meter = StepMeter(clock, cfg.max_staleness, trainer.busy_seconds)
         if cursor is None:
             cursor = PromptCursor(len(dataset), seed=cfg.seed, shuffle=cfg.shuffle, num_epochs=cfg.num_epochs)
-        self.pool = RolloutPool(cfg, dataset, cursor, workers, self.ledger, self.meter, self._on_group, self._held)
+        self.pool = RolloutPool(
+            cfg, dataset, cursor, workers, self.ledger, self.meter, self._on_group, self._held
+        )
         self.step = 0
         self.trainer_version = trainer.version
         self._step_groups = 0  # groups taken into the open step (they count against the cap)
