@@ -3,7 +3,7 @@
 Throughput: two CPU ranks (gloo) each build two `PolicyWorker`s on the same tiny Llama (hidden 256,
 MLP 1024, 4 layers, 8 heads / 4 KV heads, fp32, AdamW): one with `tensor_parallel_size=1` (dp=2,
 FSDP2) and one with `tensor_parallel_size=2` (dp=1, tp=2). Each rank feeds its data-parallel shard
-(`shard_batch` by `layout.dp_index(rank)`) of the same fixed RL batch to `train()` with
+(`shard_batch` by `dims.dp_index(rank)`) of the same fixed RL batch to `train()` with
 `ClippedPGLoss`: forward + backward + clip + optimizer step. One untimed warm-up step each, then the
 two alternate one step at a time (tp1, tp2, tp1, tp2, ...), each step between barriers so both see
 the same load; a step's time is the slowest rank's. tokens/s = valid tokens of the global batch
@@ -115,7 +115,7 @@ def _train_rank(rank: int, world: int, port: int, b: int, t: int, mbs: int, step
         w = PolicyWorker(_config(world, tp, b, mbs), rank=rank, world_size=world, master_port=port)
         batch = make_rl_batch(b, t, len(w.tokenizer))
         workers[tp] = w
-        shards[tp] = shard_batch(batch, w.layout.dp)[w.layout.dp_index(rank)]
+        shards[tp] = shard_batch(batch, w.dims.dp)[w.dims.dp_index(rank)]
     out: dict = {"tokens": valid_tokens(batch), "times": {1: [], 2: []}, "bytes": {}, "first": {}}
     for tp, w in workers.items():  # warm-up (untimed); it also creates the AdamW state
         m = w.train(shards[tp], loss_fn)
@@ -136,7 +136,7 @@ def _single_rank(rank: int, world: int, port: int, b: int, t: int, mbs: int) -> 
     from posttrain.policy.worker import PolicyWorker
 
     w = PolicyWorker(_config(1, 1, b, mbs))
-    assert not w.use_fsdp
+    assert not w.dims.fsdp_enabled
     w.train(make_rl_batch(b, t, len(w.tokenizer)), ClippedPGLoss())
     return state_bytes(w)
 

@@ -14,7 +14,7 @@ from posttrain.checkpoint import export_hf, read_metadata
 from posttrain.data import microbatch
 from posttrain.data.batch import shard_batch
 from posttrain.models.hf import load_model
-from posttrain.parallel.mesh import Layout
+from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.processes import run_ranks
 from posttrain.parallel.tensor_parallel import apply_tp, check_tp_divides
 from posttrain.policy.config import PolicyConfig
@@ -91,7 +91,7 @@ def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict])
     out = []
     for sc in scenarios:
         worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
-        shard = shard_batch(_batch(sc), worker.layout.dp)[worker.layout.dp_index(rank)]
+        shard = shard_batch(_batch(sc), worker.dims.dp)[worker.dims.dp_index(rank)]
         if sc.get("rebuild_comms"):  # every group of the mesh destroyed and created anew before the step
             worker.get_logprobs(shard)
             worker.teardown_comms()
@@ -229,7 +229,7 @@ MOMENTUM = {"name": "torch.optim.SGD", "lr": 0.5, "kwargs": {"momentum": 0.9}}
 def _save_after_one_step(rank: int, world: int, port: int, par: dict, path: str) -> None:
     sc = {"parallel": par, "optimizer": MOMENTUM}
     worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
-    shard = shard_batch(random_batch(8, 16, rl=True), worker.layout.dp)[worker.layout.dp_index(rank)]
+    shard = shard_batch(random_batch(8, 16, rl=True), worker.dims.dp)[worker.dims.dp_index(rank)]
     worker.train(shard, LOSSES["pg_token"]())
     worker.save_checkpoint(path, {"step": 1})
 
@@ -238,7 +238,7 @@ def _resume_and_step(rank: int, world: int, port: int, par: dict, path: str) -> 
     sc = {"parallel": par, "optimizer": MOMENTUM}
     worker = PolicyWorker(_cfg(world, sc), rank=rank, world_size=world, master_port=port)
     assert worker.load_checkpoint(path) == {"step": 1}
-    shard = shard_batch(random_batch(8, 16, rl=True, seed=1), worker.layout.dp)[worker.layout.dp_index(rank)]
+    shard = shard_batch(random_batch(8, 16, rl=True, seed=1), worker.dims.dp)[worker.dims.dp_index(rank)]
     metrics = worker.train(shard, LOSSES["pg_token"]())
     params = worker.full_state_dict()
     return {"metrics": metrics, "params": params} if rank == 0 else None
@@ -342,13 +342,19 @@ def test_policy_on_ray_shards_by_data_parallel_index(ray_session):
 # ------------------------------------------------------------------ configuration errors
 
 
-def test_layout_sizes_and_errors():
-    layout = Layout(8, tp=2, cp=2)
-    assert (layout.dp, layout.dp_index(5), layout.dp_leaders()) == (2, 1, [0, 4])
+def test_parallel_dims_sizes_and_errors():
+    dims = ParallelDims(8, tp=2, cp=2, sequence_parallel=True)
+    assert (dims.dp, dims.dp_index(5), dims.dp_leaders()) == (2, 1, [0, 4])
+    assert (dims.fsdp_enabled, dims.sp_enabled, dims.sequence_multiple) == (True, True, 4)
+    one = ParallelDims(1, sequence_parallel=True)
+    assert (one.fsdp_enabled, one.sp_enabled, one.sequence_multiple) == (False, False, 1)
+    assert ParallelDims(1, cpu_offload=True).fsdp_enabled and ParallelDims(1, fsdp="always").fsdp_enabled
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size=4 x context_parallel_size=1 = 4 does not divide"
     ):
-        Layout(6, tp=4)
+        ParallelDims(6, tp=4)
+    with pytest.raises(ValueError, match="fsdp='never' needs a single rank"):
+        ParallelDims(2, fsdp="never")
     with pytest.raises(ValueError, match="not divisible by the 2 data-parallel ranks"):
         policy_cfg(
             train_global_batch_size=3,

@@ -41,7 +41,7 @@ from posttrain.generation.payload import PackEntry, aligned, pack_tensors, unpac
 from posttrain.generation.probe import ProbeBatch, ProbeConfig, check_probe, probe_metrics
 from posttrain.generation.weights import WeightLoad
 from posttrain.logging import get_logger
-from posttrain.parallel.mesh import free_port
+from posttrain.parallel.mesh import free_port, iter_full_weights
 
 log = get_logger(__name__)
 
@@ -68,14 +68,6 @@ class WeightSyncConfig(Config):
 
 
 # ---------------------------------------------------------------------------- in-process
-
-
-def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state dict as full tensors, gathering FSDP2 shards one tensor at a time.
-
-    Under FSDP every trainer rank must consume this iterator in step (each gather is a collective)."""
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def sync_model(model: torch.nn.Module, engine: GenerationEngine, version: int, share: bool = False):

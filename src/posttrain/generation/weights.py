@@ -64,7 +64,7 @@ class WeightLoad:
             )
         if type(tensor).__name__ == "DTensor":
             raise ValueError(
-                f"weight '{name}' is a sharded DTensor; gather it first (weight_sync.iter_full_weights)"
+                f"weight '{name}' is a sharded DTensor; gather it first (parallel.mesh.iter_full_weights)"
             )
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(

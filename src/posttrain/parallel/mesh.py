@@ -1,10 +1,11 @@
-"""Process groups, device meshes and FSDP2, as functions applied to modules (torchtitan style).
+"""Process groups, device meshes, and gathering (possibly sharded) tensors whole.
 
 The ranks form a (dp, cp, tp) mesh, row-major: rank = (d * cp + c) * tp + t. Ranks that share a dp
 index hold the same data (a data-parallel shard); cp splits its sequences, tp its weights. FSDP2
 shards parameters over the flattened (dp, cp) dimension; tensor parallelism (parallel/tensor_parallel.py)
 over tp. Every group is created here with `new_group` (never the default group), so parallel/comms.py
 can tear all of them down and rebuild them while the default group stays up as the rendezvous.
+parallel/dims.py decides the sizes; parallel/parallelize.py applies them to a model.
 """
 
 from __future__ import annotations
@@ -12,19 +13,37 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly DTensor) tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly DTensor) tensor: shards gathered (a collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each entry of the model's state dict (parameters and persistent buffers),
+    gathering DTensor shards one tensor at a time. Under FSDP2 or TP every rank must consume the
+    iterator in step (each gather is a collective)."""
+    for name, t in model.state_dict().items():
+        yield name, full_tensor(t).detach()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict as copies on the host (collective under FSDP2 or TP, as above)."""
+    return {name: t.to("cpu", copy=True) for name, t in iter_full_weights(model)}
 
 
 def free_port() -> int:
@@ -74,42 +93,6 @@ def build_dp_mesh(device: torch.device) -> DeviceMesh:
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of the (dp, cp, tp) mesh over `world` ranks."""
-
-    world: int
-    tp: int = 1
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        if self.world % (self.tp * self.cp):
-            per = self.tp * self.cp
-            valid = list(range(per, 4 * per + 1, per))
-            raise ValueError(
-                f"tensor_parallel_size={self.tp} x context_parallel_size={self.cp} = {per} does not divide "
-                f"the {self.world} ranks (cluster.num_workers); run a multiple of {per} ranks "
-                f"(cluster.backend='ray', cluster.num_workers in {valid}, ...), or choose sizes whose "
-                f"product divides {self.world}"
-            )
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.cp)
-
-    def dp_index(self, rank: int) -> int:
-        """The data-parallel shard that `rank` works on."""
-        return rank // (self.tp * self.cp)
-
-    def sizes(self) -> dict[str, int]:
-        """{"dp": .., "cp": .., "tp": ..} (recorded in checkpoints)."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
-
-    def dp_leaders(self) -> list[int]:
-        """One rank per data-parallel shard (cp and tp index 0): whose results stand for the shard."""
-        return [d * self.tp * self.cp for d in range(self.dp)]
-
-
 @dataclass
 class Meshes:
     """The meshes a worker's model is parallelized over. `fsdp` is 1-D (dp, or dp x cp flattened).
@@ -138,12 +121,14 @@ def _groups_along(ranks: torch.Tensor, dim: int, backend: str, desc: str) -> dis
     return mine
 
 
-def build_mesh(device: torch.device, layout: Layout) -> Meshes:
-    """The meshes of `layout` over all ranks (collective: every rank calls it in the same order)."""
-    if layout.tp == 1 and layout.cp == 1:
+def build_mesh(device: torch.device, tp: int = 1, cp: int = 1) -> Meshes:
+    """The meshes of a (dp, cp, tp) layout over all ranks (collective: every rank calls it in the same
+    order). ParallelDims.build_mesh is the usual way in."""
+    if tp == 1 and cp == 1:
         return Meshes(fsdp=build_dp_mesh(device))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    ranks = torch.arange(layout.world).view(layout.dp, layout.cp, layout.tp)
+    world = dist.get_world_size()
+    ranks = torch.arange(world).view(world // (cp * tp), cp, tp)
     groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
     root = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp"))
     dp_cp = root["dp", "cp"]
@@ -151,9 +136,13 @@ def build_mesh(device: torch.device, layout: Layout) -> Meshes:
         fsdp = dp_cp._flatten("dp_cp", backend_override=backend)  # its own groups, even world-wide
     else:  # older torch: where dp x cp spans the world, the flattened mesh reuses the default group
         fsdp = dp_cp._flatten("dp_cp")
-    tp = root["tp"] if layout.tp > 1 else None
-    cp = root["cp"] if layout.cp > 1 else None
-    return Meshes(fsdp=fsdp, tp=tp, cp=cp, dp=root["dp"], root=root)
+    return Meshes(
+        fsdp=fsdp,
+        tp=root["tp"] if tp > 1 else None,
+        cp=root["cp"] if cp > 1 else None,
+        dp=root["dp"],
+        root=root,
+    )
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -166,36 +155,3 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "FSDP2 wrapping per layer supports Llama/Qwen2-style models"
         )
     return list(layers)
-
-
-def apply_fsdp(
-    model: torch.nn.Module,
-    mesh: DeviceMesh,
-    param_dtype: torch.dtype = torch.float32,
-    cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
-) -> torch.nn.Module:
-    """FSDP2 per decoder layer, then the root; gradients are summed (not averaged) over DP ranks.
-
-    The loss contract already divides by the *global* token or sequence count, so FSDP's default
-    averaging over ranks would divide twice.
-    """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    sharded = [*decoder_layers(model), model]
-    for module in sharded:
-        fully_shard(module, **kwargs)
-    for module in sharded:  # both settings are per FSDP module (they do not recurse)
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return model
-
-
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute decoder-layer activations in backward (non-reentrant)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -37,7 +37,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.models.hf import tie_lm_head
-from posttrain.parallel.mesh import Layout, decoder_layers
+from posttrain.parallel.dims import ParallelDims
+from posttrain.parallel.mesh import decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
@@ -126,15 +127,15 @@ def _from_hf_plan(config) -> dict[str, ParallelStyle]:
     return {k: styles[v]() for k, v in hf_plan.items()}
 
 
-def check_parallel_support(config, layout: Layout, sequence_parallel: bool) -> None:
-    """Raise ValueError, naming the fix, when `layout` cannot run this model: a TP size that does not
+def check_parallel_support(config, dims: ParallelDims) -> None:
+    """Raise ValueError, naming the fix, when `dims` cannot run this model: a TP size that does not
     divide it, a model type without a TP plan (or without our plan, for sequence parallelism), or
     attention that context parallelism does not implement. Cheap: the driver calls it before any rank
-    starts, and every rank before it builds the model."""
-    if layout.tp > 1:
-        check_tp_divides(config, layout.tp)
-        _tp_plan(config, sequence_parallel)
-    if layout.cp > 1 and getattr(config, "attn_logit_softcapping", None) is not None:
+    starts, and `parallelize()` on every rank."""
+    if dims.tp_enabled:
+        check_tp_divides(config, dims.tp)
+        _tp_plan(config, dims.sequence_parallel)
+    if dims.cp_enabled and getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(
             f"context parallelism does not implement attention logit soft-capping (model type "
             f"'{config.model_type}'); use parallel.context_parallel_size=1"

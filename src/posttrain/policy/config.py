@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from posttrain.config import Config
 from posttrain.models.hf import TinyModelConfig
 from posttrain.parallel.cluster import ClusterConfig
-from posttrain.parallel.mesh import Layout
+from posttrain.parallel.dims import ParallelDims
 
 
 class ModelConfig(Config):
@@ -91,9 +91,17 @@ class ParallelConfig(Config):
         1, ge=1, description="ranks that split each sequence (attention all-gathers keys/values)"
     )
 
-    def layout(self, world: int) -> Layout:
-        """The (dp, cp, tp) sizes over `world` ranks (ValueError when tp x cp does not divide it)."""
-        return Layout(world, tp=self.tensor_parallel_size, cp=self.context_parallel_size)
+    def dims(self, world: int) -> ParallelDims:
+        """This layout over `world` ranks (ValueError when tp x cp does not divide it, or fsdp='never'
+        meets several ranks)."""
+        return ParallelDims(
+            world,
+            tp=self.tensor_parallel_size,
+            cp=self.context_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+            fsdp=self.fsdp,
+            cpu_offload=self.fsdp_cpu_offload,
+        )
 
 
 class PolicyConfig(Config):
@@ -125,7 +133,7 @@ class PolicyConfig(Config):
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: cluster.num_workers / (tensor_parallel_size x context_parallel_size)."""
-        return self.parallel.layout(self.cluster.num_workers).dp
+        return self.parallel.dims(self.cluster.num_workers).dp
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

@@ -1,4 +1,5 @@
-"""Building the policy's model on one rank: rank-0 load, FSDP2 sharding, broadcast into the shards."""
+"""Building the policy's model on one rank: rank-0 load, `parallelize()` on the meta device, broadcast into
+the shards."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from posttrain.models.context_parallel import register_attention
 from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tie_lm_head, tiny_config
 from posttrain.models.tokenizer import build_char_tokenizer
-from posttrain.parallel import mesh as pmesh
-from posttrain.parallel.tensor_parallel import apply_tp, check_parallel_support
+from posttrain.parallel.dims import ParallelDims
+from posttrain.parallel.mesh import local_tensor
+from posttrain.parallel.parallelize import parallelize
 from posttrain.policy.config import ModelConfig, PolicyConfig
 
 
@@ -36,38 +37,35 @@ def model_config(cfg: ModelConfig, tokenizer=None):
 
 
 def build_policy_model(
-    cfg: PolicyConfig, tokenizer, device: torch.device, meshes: pmesh.Meshes | None, dtype: torch.dtype
+    cfg: PolicyConfig, tokenizer, device: torch.device, dims: ParallelDims, dtype: torch.dtype
 ):
-    """Full model on this device (`meshes` None), or tensor-parallel (when `meshes.tp`) and FSDP2-sharded
-    with rank 0's weights broadcast into every shard."""
-    if meshes is None:
+    """The model of this rank, parallelized by `parallelize()`: the full model on this device without
+    FSDP2; otherwise built on the meta device, sharded, materialized, and filled with rank 0's weights
+    (broadcast into every shard). Under FSDP2, `dims.build_mesh()` must have run."""
+    ac = cfg.parallel.activation_checkpointing
+    if not dims.fsdp_enabled:
         model = load_full_model(cfg.model, tokenizer).to(device)
-    else:
-        rank = dist.get_rank()
-        full = load_full_model(cfg.model, tokenizer) if rank == 0 else None
-        config = full.config if full is not None else model_config(cfg.model, tokenizer)
-        check_parallel_support(
-            config, cfg.parallel.layout(dist.get_world_size()), cfg.parallel.sequence_parallel
-        )
-        attn = "sdpa" if meshes.cp is None else register_attention()
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-        if meshes.tp is not None:
-            apply_tp(model, meshes.tp, sequence_parallel=cfg.parallel.sequence_parallel)
-        pmesh.apply_fsdp(model, meshes.fsdp, param_dtype=dtype, cpu_offload=cfg.parallel.fsdp_cpu_offload)
-        model.to_empty(device="cpu" if cfg.parallel.fsdp_cpu_offload else device)
-        tie_lm_head(model)
-        full_sd = full.state_dict() if full is not None else {}
-        set_model_state_dict(
-            model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-        full_buffers = dict(full.named_buffers()) if full is not None else {}
-        for name, buf in model.named_buffers():
-            local = pmesh.local_tensor(buf)  # a DTensor where it is replicated over tp
-            if full is not None:
-                local.copy_(full_buffers[name])
-            dist.broadcast(local, src=0)
-        del full
-    if cfg.parallel.activation_checkpointing:
-        pmesh.apply_activation_checkpointing(model)
+        return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
+    full = load_full_model(cfg.model, tokenizer) if dist.get_rank() == 0 else None
+    config = full.config if full is not None else model_config(cfg.model, tokenizer)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
+    model.to_empty(device=dims.param_device(device))
+    tie_lm_head(model)
+    _load_from_rank0(model, full)
     return model
+
+
+def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:
+    """Broadcast rank 0's full weights and buffers into this rank's shards (`full` None off rank 0)."""
+    full_sd = full.state_dict() if full is not None else {}
+    set_model_state_dict(
+        model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    full_buffers = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        local = local_tensor(buf)  # a DTensor where it is replicated over tp
+        if full is not None:
+            local.copy_(full_buffers[name])
+        dist.broadcast(local, src=0)

@@ -33,9 +33,9 @@ class Policy:
         self.cfg = cfg
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.world_size = cfg.cluster.num_workers
-        self.layout = cfg.parallel.layout(self.world_size)
-        if self.layout.tp > 1 or self.layout.cp > 1:  # before any rank starts; the error names the fix
-            check_parallel_support(model_config(cfg.model), self.layout, cfg.parallel.sequence_parallel)
+        self.dims = cfg.parallel.dims(self.world_size)
+        if self.dims.tp_enabled or self.dims.cp_enabled:  # before any rank starts; the error names the fix
+            check_parallel_support(model_config(cfg.model), self.dims)
         self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
         self._step_loss: LossFn | None = None
 
@@ -43,15 +43,15 @@ class Policy:
 
     def _per_rank(self, dp_shards: list[TensorDict]) -> list[tuple[TensorDict]]:
         """Rank r's argument tuple: the shard of its data-parallel index."""
-        return [(dp_shards[self.layout.dp_index(r)],) for r in range(self.world_size)]
+        return [(dp_shards[self.dims.dp_index(r)],) for r in range(self.world_size)]
 
     def _shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
-        return self._per_rank(shard_batch(batch, self.layout.dp))
+        return self._per_rank(shard_batch(batch, self.dims.dp))
 
     def _uneven_shards(self, batch: TensorDict) -> list[tuple[TensorDict]]:
         """Near-equal contiguous shards of any batch size; a rank left without rows gets one masked-out
         row, so it still takes part in the collectives and contributes nothing."""
-        b, dp = batch.batch_size[0], self.layout.dp
+        b, dp = batch.batch_size[0], self.dims.dp
         bounds = [round(r * b / dp) for r in range(dp + 1)]
         shards = []
         for lo, hi in zip(bounds, bounds[1:]):
@@ -74,9 +74,9 @@ class Policy:
                 f"batch of {b} samples is not a multiple of train_global_batch_size={gbs}; "
                 "send whole global batches (pad with sample_mask=0 rows if needed)"
             )
-        per_dp: list[list[TensorDict]] = [[] for _ in range(self.layout.dp)]
+        per_dp: list[list[TensorDict]] = [[] for _ in range(self.dims.dp)]
         for start in range(0, b, gbs):
-            for d, s in enumerate(shard_batch(batch[start : start + gbs], self.layout.dp)):
+            for d, s in enumerate(shard_batch(batch[start : start + gbs], self.dims.dp)):
                 per_dp[d].append(s)
         return self._per_rank([parts[0] if len(parts) == 1 else torch.cat(parts) for parts in per_dp])
 
@@ -161,7 +161,7 @@ class Policy:
     def _gather(self, method: str, batch: TensorDict, *args: Any) -> Any:
         validate_batch(batch, ("input_ids", "input_lengths"))
         results = self.group.run(method, *args, per_rank=self._shards(batch))
-        results = [results[r] for r in self.layout.dp_leaders()]
+        results = [results[r] for r in self.dims.dp_leaders()]
         if isinstance(results[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*results))
         return torch.cat(results)

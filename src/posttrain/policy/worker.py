@@ -2,9 +2,10 @@
 its reference weights, and the verbs RL needs (train, split train step, logprobs, top-k, lifecycle).
 
 The same class serves every layout: it runs in-process (local backend) or inside a Ray actor, on a
-(dp, cp, tp) mesh (parallel/mesh.py). Ranks of one data-parallel shard (same dp index) get the same
-data, so counts and metrics are reduced over the dp group only; gradients are summed over (dp, cp) by
-FSDP2, and tensor-parallel ranks hold their own slices of each weight.
+(dp, cp, tp) layout (`ParallelDims`, parallel/dims.py) that parallel/parallelize.py applies to the model.
+Ranks of one data-parallel shard (same dp index) get the same data, so counts and metrics are reduced
+over the dp group only; gradients are summed over (dp, cp) by FSDP2, and tensor-parallel ranks hold
+their own slices of each weight.
 Verbs declare the phases they accept (policy/lifecycle.py); the split-step rules are in
 policy/train_step.py.
 """
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.tensor import DTensor
 
 from posttrain import checkpoint
 from posttrain.config import dump_config
@@ -35,14 +35,13 @@ from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import (
-    SequenceSplit,
     microbatch_logprobs,
     microbatch_topk,
     supports_shared_prefix,
 )
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
-from posttrain.parallel.mesh import local_tensor
+from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
@@ -66,57 +65,34 @@ class PolicyWorker:
     ) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        self.layout = cfg.parallel.layout(world_size)
+        self.dims = cfg.parallel.dims(world_size)
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.trainer_version = 0
         self._step: OpenStep | None = None
         self._comms_snapshot: comms.CommsSnapshot | None = None
-        self._build_distributed(master_addr, master_port)
+        self.dims.init_process_group(rank, master_addr, master_port)
         self.device = pmesh.default_device()
         self.dtype = DTYPES[cfg.precision]
         self.tokenizer = build_tokenizer(cfg.model)
         self._pad_id = self.tokenizer.pad_token_id or 0
-        self.meshes = pmesh.build_mesh(self.device, self.layout) if self.use_fsdp else None
-        self.split = self._sequence_split()
-        self.model = build_policy_model(cfg, self.tokenizer, self.device, self.meshes, self.dtype)
+        self.dims.build_mesh(self.device)
+        self.split = self.dims.sequence_split()
+        self.model = build_policy_model(cfg, self.tokenizer, self.device, self.dims, self.dtype)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference_weights = self._snapshot_weights() if cfg.init_reference_model else None
         self.model.train()
 
-    def _build_distributed(self, master_addr: str, master_port: int | None) -> None:
-        par = self.cfg.parallel
-        self.use_fsdp = par.fsdp == "always" or (
-            par.fsdp == "auto" and (self.world_size > 1 or par.fsdp_cpu_offload)
-        )
-        if self.world_size > 1:
-            if par.fsdp == "never":
-                raise ValueError(
-                    "parallel.fsdp='never' needs a single rank; use fsdp='auto' for several ranks"
-                )
-            pmesh.init_distributed(self.rank, self.world_size, master_addr, master_port or pmesh.free_port())
-        elif self.use_fsdp:
-            pmesh.ensure_single_process_group()
-
-    def _sequence_split(self) -> SequenceSplit:
-        """How model calls lay out the sequence: sequence parallel pads it to a multiple of tp; context
-        parallel splits it over the cp ranks in equal chunks, each a multiple of tp under SP."""
-        par, layout = self.cfg.parallel, self.layout
-        sp = par.sequence_parallel and layout.tp > 1
-        multiple = (layout.tp if sp else 1) * layout.cp
-        return SequenceSplit(multiple, self.meshes.cp if self.meshes is not None else None)
-
     # ------------------------------------------------------------------ helpers
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce over the data-parallel ranks (the ranks of one dp shard hold the same values)."""
-        if self.layout.dp > 1 and t.numel() > 0:
-            group = self.meshes.dp.get_group() if self.meshes.dp is not None else None
-            dist.all_reduce(t, op=op, group=group)
+        if self.dims.dp_enabled and t.numel() > 0:
+            dist.all_reduce(t, op=op, group=self.dims.dp_group())
         return t
 
     def _autocast(self):
-        if self.dtype == torch.float32 or self.use_fsdp:
+        if self.dtype == torch.float32 or self.dims.fsdp_enabled:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
@@ -140,7 +116,7 @@ class PolicyWorker:
         failed half-way is repaired by the next), except on a CPU device, where host and device are
         one and nothing can be elsewhere: there the walk over every module would be all the work."""
         if self.device.type != "cpu":
-            offload.move_model(self.model, self.device, self.cfg.parallel.fsdp_cpu_offload)
+            offload.move_model(self.model, self.device, self.dims.cpu_offload)
 
     def _set_training(self, mode: bool) -> None:
         """Train/eval mode; skips the walk over every module when the model is already there."""
@@ -151,7 +127,7 @@ class PolicyWorker:
         """Pad with dummy micro-batches up to the max count over ranks (see policy/train_step.py). If
         any rank runs a two-call `SharedPrefix` micro-batch, every micro-batch on every rank does, so
         the FSDP gathers of each model call line up."""
-        if self.layout.dp == 1:
+        if not self.dims.dp_enabled:
             return mbs
         two_calls = any(isinstance(mb.shared, SharedPrefix) for mb in mbs)
         agreed = torch.tensor([len(mbs), int(two_calls)], device=self.device)
@@ -192,7 +168,7 @@ class PolicyWorker:
     def prepare_for_training(self) -> None:
         """Model and optimizer state on the device; training mode."""
         self._model_to_device()
-        offload.move_optimizer_state(self.optimizer, self.device, self.cfg.parallel.fsdp_cpu_offload)
+        offload.move_optimizer_state(self.optimizer, self.device, self.dims.cpu_offload)
         self._set_training(True)
         self.lifecycle.phase = Phase.TRAINING
 
@@ -312,9 +288,7 @@ class PolicyWorker:
             torch._foreach_div_([p.grad for p in params], n)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
+        grad_norm = float(full_tensor(norm))
         if not math.isfinite(grad_norm):
             self.abort_train_step()
             raise NonFiniteLossError(
@@ -333,7 +307,7 @@ class PolicyWorker:
     def abort_train_step(self) -> None:
         """Drop the open step (idempotent): gradients cleared; optimizer, scheduler and version untouched."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.use_fsdp:
+        if self.dims.fsdp_enabled:
             for m in self.model.modules():
                 if hasattr(m, "reshard") and hasattr(m, "unshard"):
                     m.reshard()
@@ -344,7 +318,7 @@ class PolicyWorker:
     def train(self, batch: TensorDict, loss_fn: LossFn, eval_mode: bool = False) -> dict[str, float]:
         """One optimizer step per local global-batch slice of `batch`, each a begin/microbatch/finish."""
         validate_batch(batch, BASE_KEYS + tuple(loss_fn.required_keys))
-        local_gbs = self.cfg.train_global_batch_size // self.layout.dp
+        local_gbs = self.cfg.train_global_batch_size // self.dims.dp
         b = batch.batch_size[0]
         if b % local_gbs:
             raise ValueError(
@@ -429,11 +403,7 @@ class PolicyWorker:
     @verb(*ON_DEVICE, collective=True)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) parameters and persistent buffers on the host (collective under FSDP)."""
-        out = {}
-        for name, p in self.model.state_dict().items():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            out[name] = full.detach().to("cpu", copy=True)
-        return out
+        return full_state_dict(self.model)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -467,7 +437,7 @@ class PolicyWorker:
             extra_state=extra_state,
             tokenizer=self.tokenizer,
             config_yaml=dump_config(self.cfg),
-            mesh=self.layout.sizes(),
+            mesh=self.dims.sizes(),
         )
 
     @verb(*ON_DEVICE, collective=True)
@@ -477,7 +447,7 @@ class PolicyWorker:
             path,
             self._checkpoint_state("load_checkpoint"),
             identity=self._checkpoint_identity(),
-            mesh=self.layout.sizes(),
+            mesh=self.dims.sizes(),
         )
         self.trainer_version = info.trainer_version
         if self.lifecycle.phase == Phase.INFERENCE:  # loading put the optimizer state next to the params
@@ -494,8 +464,8 @@ class PolicyWorker:
         snap = self._comms_snapshot
         if snap is None:
             snap = comms.collect_groups(
-                self.model if self.use_fsdp else None,
-                self.meshes.all() if self.meshes is not None else None,
+                self.model if self.dims.fsdp_enabled else None,
+                self.dims.meshes.all() if self.dims.meshes is not None else None,
                 device_type=self.device.type,
             )
             self._comms_snapshot = snap
@@ -520,10 +490,7 @@ class PolicyWorker:
         """Stream the full weights, one gathered tensor at a time, into `sink(named_tensors, rank)`
         (e.g. generation.weight_sync.BroadcastSink): rank 0 sends straight to the engines, not through
         the driver. Collective under FSDP (every rank gathers)."""
-        weights = (
-            (n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in self.model.state_dict().items()
-        )
-        return sink(weights, self.rank)
+        return sink(iter_full_weights(self.model), self.rank)
 
     @verb(*ON_DEVICE, collective=True)
     def save_hf(self, out_dir: str) -> None:
