@@ -20,7 +20,6 @@ from posttrain.rollout.config import GroupConfig
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
-
 # purpose tags: seeds derived for different purposes never coincide
 _STEP, _GROUP, _VALIDATION = 1, 2, 3
 
