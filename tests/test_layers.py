@@ -34,6 +34,7 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("posttrain"):
             out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}  # `from package import module`
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("posttrain")}
     return out
@@ -89,3 +90,15 @@ def test_no_file_over_600_lines():
         str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+def test_the_two_grpo_loops_share_the_rollout_layer_and_never_import_each_other():
+    g = graph()
+    sync = g["posttrain.algorithms.grpo"]
+    asynchronous = set().union(
+        *(deps for m, deps in g.items() if m.startswith("posttrain.algorithms.async_grpo"))
+    )
+    assert not any(d.startswith("posttrain.algorithms.async_grpo") for d in sync)
+    assert "posttrain.algorithms.grpo" not in asynchronous
+    for deps in (sync, asynchronous):  # both sample, score and lay out rows through the rollout layer
+        assert {"posttrain.rollout.groups", "posttrain.rollout.validation"} <= deps

@@ -14,68 +14,30 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import Field
 
-from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager
+from posttrain.algorithms.checkpointing import CheckpointManager
+from posttrain.algorithms.grpo_config import GRPORunSections
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
 from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
-from posttrain.config import Config
 from posttrain.generation.engine import GenerationEngine
-from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
-from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig, can_share
-from posttrain.logging import LoggingConfig, StepProgress, get_logger, plot_metrics
-from posttrain.policy.config import PolicyConfig
+from posttrain.generation.params import GenerationResult
+from posttrain.generation.weight_sync import WeightSync, can_share
+from posttrain.logging import StepProgress, get_logger, plot_metrics
 from posttrain.policy.model_init import load_full_model
 from posttrain.policy.policy import Policy
 from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
-from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.groups import engine_config, probe_sync, step_seed
 from posttrain.rollout.rows import samples_to_batch
-from posttrain.tasks.arithmetic import ArithmeticTaskConfig
-from posttrain.tasks.build import TaskConfig
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
 log = get_logger(__name__)
-
-
-class GRPOLoopConfig(GroupConfig):
-    """The loop's knobs (names follow NeMo-RL); the group settings are rollout.config.GroupConfig's."""
-
-    num_prompts_per_step: int = Field(16, ge=1)
-    max_num_steps: int = Field(50, ge=0)
-    max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
-    dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
-    dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
-    val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
-    val_at_start: bool = True
-    recompute_prev_logprobs: Literal["auto", "always"] = Field(
-        "auto",
-        description="auto: skip the extra trainer forward when the step's samples make one optimizer "
-        "step (prev_logprobs then equal the training forward's own logprobs, detached: the loss uses "
-        "force_on_policy_ratio for the PPO ratio and the importance-sampling weights, as TRL does with "
-        "num_iterations=1); always: compute prev_logprobs in a separate forward",
-    )
-
-
-class GRPORunSections(Config):
-    """The sections every GRPO run has, synchronous or asynchronous (each means the same in both)."""
-
-    policy: PolicyConfig = Field(
-        default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
-    )
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
-    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
-    grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
 class GRPOConfig(GRPORunSections):

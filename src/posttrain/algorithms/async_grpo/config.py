@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.async_grpo.ledger import Selection
-from posttrain.algorithms.grpo import GRPOLoopConfig, GRPORunSections
+from posttrain.algorithms.grpo_config import GRPOLoopConfig, GRPORunSections
 from posttrain.algorithms.losses import ClippedPGConfig
 from posttrain.config import Config
 from posttrain.rollout.config import RolloutConfig, RolloutWorkerConfig

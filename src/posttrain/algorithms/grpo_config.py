@@ -1,0 +1,53 @@
+"""The configuration every GRPO run shares, synchronous (grpo.py) or asynchronous (async_grpo/): the
+`grpo:` section (`GRPOLoopConfig`: the group settings of rollout.config.GroupConfig plus the loop's own)
+and the sections of a run (`GRPORunSections`). Each loop imports it; neither loop imports the other."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from posttrain.algorithms.checkpointing import CheckpointingConfig
+from posttrain.config import Config
+from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.generation.weight_sync import WeightSyncConfig
+from posttrain.logging import LoggingConfig
+from posttrain.policy.config import PolicyConfig
+from posttrain.rollout.config import GroupConfig
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig
+from posttrain.tasks.build import TaskConfig
+
+
+class GRPOLoopConfig(GroupConfig):
+    """The loop's knobs (names follow NeMo-RL); the group settings are rollout.config.GroupConfig's."""
+
+    num_prompts_per_step: int = Field(16, ge=1)
+    max_num_steps: int = Field(50, ge=0)
+    max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
+    dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
+    dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
+    val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
+    val_at_start: bool = True
+    recompute_prev_logprobs: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto: skip the extra trainer forward when the step's samples make one optimizer "
+        "step (prev_logprobs then equal the training forward's own logprobs, detached: the loss uses "
+        "force_on_policy_ratio for the PPO ratio and the importance-sampling weights, as TRL does with "
+        "num_iterations=1); always: compute prev_logprobs in a separate forward",
+    )
+
+
+class GRPORunSections(Config):
+    """The sections every GRPO run has, synchronous or asynchronous (each means the same in both)."""
+
+    policy: PolicyConfig = Field(
+        default_factory=lambda: PolicyConfig(optimizer={"lr": 1e-3}, train_global_batch_size=128)
+    )
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
+    task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
