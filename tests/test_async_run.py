@@ -30,7 +30,8 @@ from posttrain.algorithms.async_grpo.run import (
     train,
 )
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer
-from posttrain.algorithms.grpo import GRPOLoopConfig, run_grpo
+from posttrain.algorithms.grpo import run_grpo
+from posttrain.algorithms.grpo_config import GRPOLoopConfig
 from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.config import ConfigError, apply_overrides, build_config
 from posttrain.generation.params import GenerationResult
