@@ -40,6 +40,55 @@ def small_run_policy() -> dict:
     }
 
 
+def small_grpo_cfg(out, *overrides: str) -> GRPOConfig:
+    """The tiny synchronous GRPO run of the loop tests (4 steps of 4 prompts x 4 samples)."""
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.config import apply_overrides, build_config
+
+    base = {
+        "policy": small_run_policy(),
+        "generation": {"max_num_seqs": 16},
+        "sampling": {"max_new_tokens": 3},
+        "grpo": {
+            "num_prompts_per_step": 4,
+            "num_generations_per_prompt": 4,
+            "max_num_steps": 4,
+            "val_period": 2,
+        },
+        "task": {"max_eval_prompts": 8},
+        "checkpointing": {"save_period": 2},
+        "logging": {"progress_bar": False},
+        "output_dir": str(out),
+    }
+    return build_config(GRPOConfig, apply_overrides(base, list(overrides)))
+
+
+def small_async_grpo_cfg(out, *overrides: str) -> AsyncGRPORunConfig:
+    """The tiny asynchronous GRPO run of the loop tests (4 steps of 4 groups x 4 samples)."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.config import apply_overrides, build_config
+
+    base = {
+        "policy": small_run_policy(),
+        "generation": {"max_num_seqs": 32},
+        "sampling": {"max_new_tokens": 3},
+        "grpo": {"num_generations_per_prompt": 4, "val_period": 2},
+        "async_grpo": {
+            "num_steps": 4,
+            "target_prompt_groups_per_step": 4,
+            "max_staleness": 1,
+            "request_timeout_s": 60.0,
+            "admission_timeout_s": 120.0,
+            "trainer_timeout_s": 60.0,
+        },
+        "task": {"max_eval_prompts": 8},
+        "checkpointing": {"save_period": 2},
+        "logging": {"progress_bar": False},
+        "output_dir": str(out),
+    }
+    return build_config(AsyncGRPORunConfig, apply_overrides(base, list(overrides)))
+
+
 def sync_config_like(cfg: AsyncGRPORunConfig, loss=None) -> GRPOConfig:
     """The synchronous run with the same model, task, groups, steps and loss (or `loss`) as the
     asynchronous `cfg` (not colocated): the two loops compared on equal samples (a converter of the

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_run_policy, sync_config_like
+from helpers import small_async_grpo_cfg as small_cfg
+from helpers import sync_config_like
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.run import (
@@ -33,7 +34,7 @@ from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer
 from posttrain.algorithms.grpo import run_grpo
 from posttrain.algorithms.grpo_config import GRPOLoopConfig
 from posttrain.algorithms.sft import SFTConfig, run_sft
-from posttrain.config import ConfigError, apply_overrides, build_config
+from posttrain.config import ConfigError, build_config
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.payload import WeightsPayload, packed_nbytes
 from posttrain.generation.probe import WeightSyncError
@@ -52,28 +53,6 @@ from posttrain.rollout.rows import (
 )
 from posttrain.tasks.build import build_task
 from posttrain.tasks.rewards import RewardError
-
-
-def small_cfg(out, *overrides: str) -> AsyncGRPORunConfig:
-    base = {
-        "policy": small_run_policy(),
-        "generation": {"max_num_seqs": 32},
-        "sampling": {"max_new_tokens": 3},
-        "grpo": {"num_generations_per_prompt": 4, "val_period": 2},
-        "async_grpo": {
-            "num_steps": 4,
-            "target_prompt_groups_per_step": 4,
-            "max_staleness": 1,
-            "request_timeout_s": 60.0,
-            "admission_timeout_s": 120.0,
-            "trainer_timeout_s": 60.0,
-        },
-        "task": {"max_eval_prompts": 8},
-        "checkpointing": {"save_period": 2},
-        "logging": {"progress_bar": False},
-        "output_dir": str(out),
-    }
-    return build_config(AsyncGRPORunConfig, apply_overrides(base, list(overrides)))
 
 
 def test_settings_of_the_synchronous_step_are_refused_with_the_fix(tmp_path):

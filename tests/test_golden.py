@@ -25,8 +25,7 @@ GOLDEN = Path(__file__).parent / "golden" / "trajectories.json"
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(GOLDEN.parent))  # golden_reward
 
-from helpers import small_run_policy  # noqa: E402
-from posttrain.config import apply_overrides, build_config  # noqa: E402
+from helpers import small_async_grpo_cfg, small_grpo_cfg  # noqa: E402
 from posttrain.logging import read_metrics  # noqa: E402
 
 STEP_KEYS = (
@@ -77,45 +76,21 @@ def final_params(cfg, out: Path, step: int) -> dict[str, object]:
     return checksum(policy.full_state_dict())
 
 
-def sync_run(out: Path) -> dict[str, object]:
-    from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+GOLDEN_RUN = ("task.reward_fn=golden_reward:reward", "checkpointing.save_period=4")
 
-    base = {
-        "policy": small_run_policy(),
-        "generation": {"max_num_seqs": 16},
-        "sampling": {"max_new_tokens": 3},
-        "grpo": {
-            "num_prompts_per_step": 4,
-            "num_generations_per_prompt": 4,
-            "max_num_steps": 4,
-            "val_period": 2,
-        },
-        "task": {"max_eval_prompts": 8, "reward_fn": "golden_reward:reward"},
-        "checkpointing": {"save_period": 4},
-        "logging": {"progress_bar": False},
-        "output_dir": str(out),
-    }
-    cfg = build_config(GRPOConfig, apply_overrides(base, []))
+
+def sync_run(out: Path) -> dict[str, object]:
+    from posttrain.algorithms.grpo import run_grpo
+
+    cfg = small_grpo_cfg(out, *GOLDEN_RUN)
     run_grpo(cfg)
     return {"steps": step_rows(out / "metrics.jsonl"), "params": final_params(cfg, out, 4)}
 
 
 def async_local_run(out: Path) -> dict[str, object]:
-    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.async_grpo.run import run_async_grpo
 
-    base = {
-        "policy": small_run_policy(),
-        "generation": {"max_num_seqs": 32},
-        "sampling": {"max_new_tokens": 3},
-        "grpo": {"num_generations_per_prompt": 4, "val_period": 2},
-        "async_grpo": {"num_steps": 4, "target_prompt_groups_per_step": 4, "max_staleness": 0},
-        "task": {"max_eval_prompts": 8, "reward_fn": "golden_reward:reward"},
-        "checkpointing": {"save_period": 4},
-        "logging": {"progress_bar": False},
-        "output_dir": str(out),
-    }
-    cfg = build_config(AsyncGRPORunConfig, apply_overrides(base, []))
+    cfg = small_async_grpo_cfg(out, *GOLDEN_RUN, "async_grpo.max_staleness=0")
     run_async_grpo(cfg)
     return {"steps": step_rows(out / "metrics.jsonl"), "params": final_params(cfg, out, 4)}
 

@@ -9,33 +9,13 @@ import textwrap
 import pytest
 import torch
 
-from helpers import small_run_policy
-from posttrain.algorithms.grpo import GRPOConfig, run_grpo
-from posttrain.config import apply_overrides, build_config
+from helpers import small_grpo_cfg as small_cfg
+from posttrain.algorithms.grpo import run_grpo
 from posttrain.logging import read_metrics
 from posttrain.policy.policy import Policy
 from posttrain.tasks.rewards import RewardError
 
 TINY = {"policy": {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}}}}
-
-
-def small_cfg(out, *overrides) -> GRPOConfig:
-    base = {
-        "policy": small_run_policy(),
-        "generation": {"max_num_seqs": 16},
-        "sampling": {"max_new_tokens": 3},
-        "grpo": {
-            "num_prompts_per_step": 4,
-            "num_generations_per_prompt": 4,
-            "max_num_steps": 4,
-            "val_period": 2,
-        },
-        "task": {"max_eval_prompts": 8},
-        "checkpointing": {"save_period": 2},
-        "logging": {"progress_bar": False},
-        "output_dir": str(out),
-    }
-    return build_config(GRPOConfig, apply_overrides(base, list(overrides)))
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path):

@@ -27,6 +27,7 @@ from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.weight_sync import WeightSync, can_share
 from posttrain.logging import StepProgress, get_logger, plot_metrics
+from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.model_init import load_full_model
 from posttrain.policy.policy import Policy
 from posttrain.rollout import groups as rollout_groups
@@ -270,7 +271,7 @@ def build_batch(run: Run, ro: Rollouts):
         ro.failed,
         group_ids,
         run.cfg.grpo,
-        run.tokenizer.pad_token_id or 0,
+        pad_token_id(run.tokenizer),
         run.cfg.policy.train_global_batch_size,
     )
 

@@ -39,6 +39,7 @@ from posttrain.models.logprobs import (
     microbatch_topk,
     supports_shared_prefix,
 )
+from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
 from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
@@ -74,7 +75,7 @@ class PolicyWorker:
         self.device = pmesh.default_device()
         self.dtype = DTYPES[cfg.precision]
         self.tokenizer = build_tokenizer(cfg.model)
-        self._pad_id = self.tokenizer.pad_token_id or 0
+        self._pad_id = pad_token_id(self.tokenizer)
         self.dims.build_mesh(self.device)
         self.split = self.dims.sequence_split()
         self.model = build_policy_model(cfg, self.tokenizer, self.device, self.dims, self.dtype)
