@@ -333,3 +333,42 @@ def policy_prepare_group(
         return await trainer.call(prepare_blocking, group, trainer_version)
 
     return prepare
+
+
+class ScriptedEngine:
+    """An engine double for multi-turn episodes: `reply(prompt_text, turn)` says what the "model" writes
+    (text, ending with the end-of-turn token when the turn is closed); the ids are its tokens, each
+    with logprob -0.25 - 0.01 * position. It records every call (prompt ids, session) and the ended
+    sessions."""
+
+    def __init__(self, tokenizer, reply: Callable[[str, int], str], weight_version: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.weight_version = weight_version
+        self.calls: list[tuple[list[int], Any]] = []
+        self.ended: list[Any] = []
+        self._turns: dict[Any, int] = {}
+
+    async def agenerate(self, prompt, params, *, stream_index=0, session=None):
+        from posttrain.generation.params import GenerationResult
+
+        self.calls.append((list(prompt), session))
+        turn = self._turns.get(session, 0)
+        self._turns[session] = turn + 1
+        text = self.reply(self.tokenizer.decode(prompt, skip_special_tokens=False), turn)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+        stop = bool(ids) and ids[-1] in set(params.stop_token_ids)
+        await asyncio.sleep(0)
+        return GenerationResult(
+            request_id=len(self.calls),
+            prompt_index=stream_index,
+            prompt_token_ids=list(prompt),
+            token_ids=ids,
+            logprobs=[-0.25 - 0.01 * i for i in range(len(ids))],
+            finish_reason="stop" if stop else "length",
+            stop_reason=ids[-1] if stop else None,
+            weight_version=self.weight_version,
+        )
+
+    def end_session(self, session) -> None:
+        self.ended.append(session)

@@ -227,7 +227,7 @@ def test_load_reward_fn_by_path(tmp_path, monkeypatch):
             "no_such_pkg_xyz.rewards:score",
             "'no_such_pkg_xyz.rewards:score'.*cannot import module 'no_such_pkg_xyz'",
         ),
-        ("no_such_module_xyz", "not of the form 'package.module:function'"),
+        ("no_such_module_xyz", "not of the form 'package.module:name'"),
         ("missing_file_xyz.py:score", "file 'missing_file_xyz.py' does not exist"),
     ],
 )

@@ -136,8 +136,11 @@ def batch_from_sequences(
     completions: list[list[int]],
     pad_id: int = 0,
     sample_mask: list[float] | None = None,
+    completion_masks: list[list[int] | None] | None = None,
 ) -> TensorDict:
-    """Right-padded batch of prompt+completion rows; token_mask is 1 on completion tokens only."""
+    """Right-padded batch of prompt+completion rows; token_mask is 1 on completion tokens only, and
+    only where `completion_masks[i]` (one 0/1 per completion token, None = all) is 1: a multi-turn
+    trajectory's completion holds observation tokens that are context, not trained."""
     if len(prompts) != len(completions):
         raise ValueError(
             f"got {len(prompts)} prompts but {len(completions)} completions; pass one completion per prompt"
@@ -151,12 +154,16 @@ def batch_from_sequences(
     ids = torch.full(filled.shape, pad_id, dtype=torch.long)
     ids[filled] = flat_tensor((row for p, c in zip(prompts, completions) for row in (p, c)), torch.long)
     mask = torch.tensor(sample_mask if sample_mask is not None else [1.0] * len(prompts), dtype=torch.float32)
-    return make_batch(
-        input_ids=ids,
-        input_lengths=ends,
-        token_mask=(filled & (positions >= starts[:, None])).float(),
-        sample_mask=mask,
-    )
+    token_mask = filled & (positions >= starts[:, None])
+    if completion_masks is not None and any(m is not None for m in completion_masks):
+        for i, (c, m) in enumerate(zip(completions, completion_masks)):
+            if m is not None and len(m) != len(c):
+                raise ValueError(
+                    f"row {i}: completion mask of {len(m)} values for {len(c)} completion tokens"
+                )
+        rows = (m if m is not None else [1] * len(c) for c, m in zip(completions, completion_masks))
+        token_mask[token_mask.clone()] = flat_tensor(rows, torch.long).bool()
+    return make_batch(input_ids=ids, input_lengths=ends, token_mask=token_mask.float(), sample_mask=mask)
 
 
 def completion_values(batch: TensorDict, values: Iterable[list[float]]) -> torch.Tensor:

@@ -23,7 +23,8 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from posttrain.envs.base import AssistantMessage, EnvSample, EnvStep, Environment, Message, ToolCall
+from posttrain.envs.base import AssistantMessage, Environment, EnvSample, EnvStep, Message, ToolCall
+from posttrain.tasks.rewards import load_callable
 
 
 @dataclass
@@ -100,7 +101,9 @@ def parse_hermes(text: str) -> list[ToolCall]:
             except json.JSONDecodeError:
                 pass
         if not isinstance(arguments, dict):
-            calls.append(ToolCall(data["name"], error="the tool call's arguments must be an object", text=body))
+            calls.append(
+                ToolCall(data["name"], error="the tool call's arguments must be an object", text=body)
+            )
             continue
         calls.append(ToolCall(data["name"], arguments, text=body))
     return calls
@@ -117,9 +120,7 @@ def load_parser(name: str) -> Callable[[str], list[ToolCall]]:
         raise ValueError(
             f"unknown tool parser {name!r}: use one of {sorted(PARSERS)} or 'package.module:function'"
         )
-    from posttrain.tasks.rewards import load_reward_fn  # the same import-by-path rules
-
-    return load_reward_fn(name)
+    return load_callable(name, "tool parser", "a function text -> list[ToolCall]")
 
 
 # --------------------------------------------------------------------------- running calls

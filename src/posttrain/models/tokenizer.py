@@ -36,3 +36,43 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
 def pad_token_id(tokenizer) -> int:
     """The id that right-pads training rows (the trainer and the rollout workers must agree)."""
     return tokenizer.pad_token_id or 0
+
+
+# ChatML with tools, compact enough for a character-level tokenizer: the tool list is one line of
+# signatures (a real model's template prints the JSON schemas), calls are Hermes-style JSON.
+CHAT_TEMPLATE = (
+    "{%- if tools or messages[0].role == 'system' %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% if tools %}\n{% endif %}{% endif %}"
+    "{%- if tools %}tools:{% for t in tools %} {{ t.function.name }}("
+    "{{ t.function.parameters.properties | list | join(',') }}){% endfor %}{% endif %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{% if not loop.first %}<|im_start|>system\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_SPECIAL_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+CHAT_CHARS = DEFAULT_CHARS + "<>{}[]\"_|#!%&;'`\\^~$@"
+
+
+def build_chat_tokenizer(chars: str = CHAT_CHARS) -> PreTrainedTokenizerFast:
+    """The character tokenizer with chat tokens (`<|im_start|>`, `<|im_end|>`, tool-call and
+    tool-response markers, one id each) and a ChatML chat template that renders `tools=`: the
+    tokenizer of the built-in multi-turn environments (model name `tiny-chat`)."""
+    tok = build_char_tokenizer(chars)
+    tok.add_special_tokens({"additional_special_tokens": CHAT_SPECIAL_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

@@ -23,6 +23,7 @@ from posttrain.generation.params import GenerationResult
 from posttrain.rollout.advantages import group_advantages
 from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.contracts import SamplesCodec
+from posttrain.rollout.trajectory import Trajectory, Turn
 
 
 @dataclass
@@ -30,7 +31,7 @@ class GroupSamples:
     """A scored prompt group: what a rollout worker returns inside its GroupResult."""
 
     prompt_id: int
-    results: list[GenerationResult]
+    results: list[GenerationResult] | list[Trajectory]  # one per sample; trajectories for environments
     rewards: list[float]  # NaN where the reward failed
     failed: list[bool]
     metrics: dict[str, float] = field(default_factory=dict)  # reward summary, timings, probe check
@@ -38,7 +39,7 @@ class GroupSamples:
 
 
 def samples_to_batch(
-    results: list[GenerationResult],
+    results: list[GenerationResult] | list[Trajectory],
     rewards: torch.Tensor,
     failed: torch.Tensor,
     group_ids: torch.Tensor,
@@ -62,13 +63,21 @@ def samples_to_batch(
     results = list(results) + [results[i % len(results)] for i in range(pad)]
     adv = torch.cat([adv, torch.zeros(pad)])
     mask = torch.cat([mask, torch.zeros(pad)])
+    masks = [r.mask if isinstance(r, Trajectory) else None for r in results]
     batch = batch_from_sequences(
-        [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist()
+        [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist(), masks
     )
-    batch["generation_logprobs"] = completion_values(batch, (r.logprobs for r in results))
+    batch["generation_logprobs"] = completion_values(batch, (_sampled(r) for r in results))
     batch["advantages"] = adv[:, None] * batch["token_mask"]
     metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics
+
+
+def _sampled(r: GenerationResult | Trajectory) -> list[float]:
+    """The engine's logprobs of the trained tokens (a trajectory's sampled tokens only)."""
+    if isinstance(r, Trajectory):
+        return [lp for lp, m in zip(r.logprobs, r.mask) if m]
+    return r.logprobs
 
 
 # --------------------------------------------------------------------------- rows of one group each
@@ -137,13 +146,24 @@ def _encode(s: GroupSamples) -> dict[str, Any]:
     out = asdict(replace(s, rows=None))  # the rows are rebuilt from the results after a resume
     del out["rows"]
     out["rewards"] = [None if f else r for r, f in zip(s.rewards, s.failed)]
+    for r in out["results"]:
+        if "mask" in r and not math.isfinite(r["reward"]):  # a failed trajectory
+            r["reward"] = None
     out["metrics"] = {k: v for k, v in s.metrics.items() if math.isfinite(v)}
     return out
 
 
+def _decode_result(r: dict[str, Any]) -> GenerationResult | Trajectory:
+    if "mask" not in r:
+        return GenerationResult(**r)
+    turns = [Turn(**t) for t in r["turns"]]
+    reward = math.nan if r["reward"] is None else float(r["reward"])
+    return Trajectory(**{**r, "turns": turns, "reward": reward})
+
+
 def _decode(d: dict[str, Any]) -> GroupSamples:
     rewards = [math.nan if r is None else float(r) for r in d["rewards"]]
-    results = [GenerationResult(**r) for r in d["results"]]
+    results = [_decode_result(r) for r in d["results"]]
     return GroupSamples(d["prompt_id"], results, rewards, list(d["failed"]), dict(d["metrics"]))
 
 

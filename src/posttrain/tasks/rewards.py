@@ -264,14 +264,14 @@ def _split_path(path: str) -> tuple[str, list[str]]:
     return module, [attr]
 
 
-def _import_module(module: str, path: str) -> Any:
+def _import_module(module: str, path: str, what: str = "reward function") -> Any:
     if module.endswith(".py"):
         file = Path(module)
         if not file.is_file():
-            raise ValueError(f"reward function '{path}': file '{file}' does not exist")
+            raise ValueError(f"{what} '{path}': file '{file}' does not exist")
         spec = importlib.util.spec_from_file_location(f"posttrain_user_reward_{file.stem}", file)
         if spec is None or spec.loader is None:
-            raise ValueError(f"reward function '{path}': cannot load '{file}' as a Python module")
+            raise ValueError(f"{what} '{path}': cannot load '{file}' as a Python module")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
@@ -281,8 +281,8 @@ def _import_module(module: str, path: str) -> Any:
         missing = exc.name or module
         where = "" if module == missing or module.startswith(missing + ".") else f" (imported by '{module}')"
         raise ValueError(
-            f"reward function '{path}': cannot import module '{missing}'{where}. Write the path as "
-            "'package.module:function' (or 'path/to/file.py:function') and make sure the package is "
+            f"{what} '{path}': cannot import module '{missing}'{where}. Write the path as "
+            "'package.module:name' (or 'path/to/file.py:name') and make sure the package is "
             "installed or on PYTHONPATH."
         ) from exc
 
@@ -293,24 +293,31 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     Raises ValueError naming `path` when the module cannot be imported, the attribute does not exist, or
     the object is not callable.
     """
+    return load_callable(
+        path, "reward function", "a function (prompts, completions, metadata) -> list[float]"
+    )
+
+
+def load_callable(path: str, what: str, expected: str) -> Callable[..., Any]:
+    """Import the callable `what` (a reward function, an environment class, a tool-call parser) from
+    'package.module:name', 'package.module.name' or 'file.py:name'; a ValueError naming `path` and
+    what it should point at (`expected`) otherwise."""
     module, attrs = _split_path(path.strip())
     if not module or not all(attrs):
         raise ValueError(
-            f"reward function path '{path}' is not of the form 'package.module:function' "
-            "(or 'package.module.function')"
+            f"{what} path '{path}' is not of the form 'package.module:name' (or 'package.module.name')"
         )
-    obj = _import_module(module, path)
+    obj = _import_module(module, path, what)
     for attr in attrs:
         if not hasattr(obj, attr):
             names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n)))
             raise ValueError(
-                f"reward function '{path}': '{module}' has no attribute '{attr}'. "
+                f"{what} '{path}': '{module}' has no attribute '{attr}'. "
                 f"Callables there: {', '.join(names[:20]) or 'none'}."
             )
         obj = getattr(obj, attr)
     if not callable(obj):
         raise ValueError(
-            f"reward function '{path}' resolves to a {type(obj).__name__}, which is not callable; point it at "
-            "a function (prompts, completions, metadata) -> list[float]"
+            f"{what} '{path}' resolves to a {type(obj).__name__}, which is not callable; point it at {expected}"
         )
     return obj

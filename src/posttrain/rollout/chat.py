@@ -1,0 +1,85 @@
+"""Messages to token ids for multi-turn trajectories, without ever re-tokenizing what the model wrote.
+
+A trajectory's token ids are built by appending, never by re-rendering: the opening messages rendered
+with the chat template (`add_generation_prompt=True`), then each reply exactly as sampled, then the
+ids of the *new* messages only. A template may rewrite earlier turns when it renders a whole
+conversation (drop reasoning blocks from past assistant turns, normalise whitespace, re-serialise tool
+calls); rendering the conversation again would then train ids the model never sampled. So the ids of
+new messages are the template's rendering of them after a fixed dummy exchange, cut right after the
+token that closes an assistant turn (`<|im_end|>` in ChatML): the same ids the template puts there,
+whatever the earlier turns hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.envs.base import Message
+
+_PROBE_USER = {"role": "user", "content": "u"}
+_PROBE_REPLY = "\x07\x07"  # no real reply looks like this
+
+
+class ChatRenderer:
+    """Token ids of a conversation's opening and of the messages appended after each reply.
+
+    `end_of_turn` is the token that closes an assistant turn (the model's stop token); it must be one
+    token the tokenizer treats as special, so that tokenizing what follows it alone gives the same ids
+    as inside the whole conversation."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "multi-turn environments need a tokenizer with a chat template (tokenizer.chat_template); "
+                "use a chat model's tokenizer, or model name 'tiny-chat' for the built-in one"
+            )
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.end_of_turn, self._closing_at = self._find_end_of_turn()
+
+    def _text(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _find_end_of_turn(self) -> tuple[int, int]:
+        """The id closing an assistant turn, and where the dummy exchange's text ends after it."""
+        probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
+        text = self._text(probe, False)
+        at = text.rfind(_PROBE_REPLY)
+        if at < 0:
+            raise ValueError("the chat template does not render assistant messages' content; cannot use it")
+        after = text[at + len(_PROBE_REPLY) :]
+        ids = self._ids(after)
+        if not ids:
+            raise ValueError(
+                "the chat template ends an assistant turn with no token; multi-turn trajectories need one "
+                "(e.g. <|im_end|> or the EOS token) to know where a reply ends"
+            )
+        closing = self.tokenizer.convert_ids_to_tokens(ids[0])
+        if ids[0] not in set(self.tokenizer.all_special_ids):
+            raise ValueError(
+                f"the token closing an assistant turn ({closing!r}) is not a special token, so the ids after "
+                "it depend on the text before it; add it to the tokenizer's special tokens"
+            )
+        return ids[0], at + len(_PROBE_REPLY) + after.index(closing) + len(closing)
+
+    def prompt(self, messages: list[Message]) -> list[int]:
+        """The ids of the opening messages, ending with the assistant's generation prompt."""
+        if not messages:
+            raise ValueError("an environment's reset() returned no messages; return at least the user's one")
+        return self._ids(self._text(messages, True))
+
+    def observation(self, messages: list[Message]) -> list[int]:
+        """The ids that follow a closed reply: `messages` rendered after a dummy exchange, from just
+        past the token closing the reply up to the next generation prompt included."""
+        if not messages:
+            raise ValueError("an environment step returned no messages and did not end the episode")
+        probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
+        text = self._text(probe + list(messages), True)
+        if not text.startswith(self._text(probe, False)[: self._closing_at]):
+            raise ValueError("the chat template renders the same exchange differently when more follows")
+        return self._ids(text[self._closing_at :])
