@@ -23,6 +23,7 @@ from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.grpo_config import GRPORunSections
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
 from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
+from posttrain.envs.build import EnvSuite
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.weight_sync import WeightSync, can_share
@@ -30,11 +31,13 @@ from posttrain.logging import StepProgress, get_logger, plot_metrics
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.model_init import load_full_model
 from posttrain.policy.policy import Policy
+from posttrain.rollout import episodes
 from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.groups import engine_config, probe_sync, step_seed
 from posttrain.rollout.rows import samples_to_batch
+from posttrain.rollout.trajectory import Trajectory
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
@@ -54,9 +57,12 @@ class GRPOConfig(GRPORunSections):
 
 
 # Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
-RESUME_KEYS = ("grpo", "sampling", "task", "loss")
+RESUME_KEYS = ("grpo", "sampling", "task", "env", "loss")
 # ... except these, which a resumed run may change.
 RESUME_MAY_CHANGE = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start")
+
+
+CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
 
 
 @dataclass
@@ -64,7 +70,7 @@ class Rollouts:
     """One step's samples: prompts x generations, flattened in group order."""
 
     items: list[PromptItem]
-    results: list[GenerationResult]
+    results: list[GenerationResult] | list[Trajectory]
     rewards: torch.Tensor
     failed: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
@@ -78,7 +84,7 @@ class Run:
     out: Path
     policy: Policy
     engine: GenerationEngine
-    task: Task
+    task: Task | EnvSuite  # its train/eval prompts; an environment plays multi-turn episodes
     tokenizer: Any
     loss_fn: ClippedPGLoss
     weight_sync: WeightSync
@@ -124,7 +130,7 @@ def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
     finally:
         progress.close()
         metrics_log.close()
-    plot_metrics(metrics_log.path, run.out / "curves.png", ("reward", "val/accuracy"))
+    plot_metrics(metrics_log.path, run.out / "curves.png", CURVES)
     return last
 
 
@@ -167,7 +173,7 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
             f"policy.train_global_batch_size={cfg.policy.train_global_batch_size} exceeds the samples per step "
             f"({cfg.grpo.num_prompts_per_step} x {cfg.grpo.num_generations_per_prompt}); lower it"
         )
-    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy)
+    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
     gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
     engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
@@ -200,6 +206,25 @@ def score(run: Run, items: list[PromptItem], results: list[GenerationResult]):
     return rollout_groups.score(run.task, run.tokenizer, items, results, run.cfg.grpo, max_new)
 
 
+def play(run: Run, items: list[PromptItem], salt: int) -> tuple[list[Trajectory], Any, Any, dict]:
+    """An environment's episodes for `items` (seeded as `sample_groups`) with their rewards."""
+    seed = step_seed(run.cfg.grpo.seed, run.step, salt)
+    g = run.cfg.grpo.num_generations_per_prompt
+    trajs = episodes.play_step(run.engine, run.tokenizer, run.task, items, g, run.cfg.sampling, seed)
+    return (trajs, *episodes.trajectory_rewards(trajs))
+
+
+def draw(run: Run, items: list[PromptItem], salt: int) -> tuple[list, Any, Any, dict, float]:
+    """Samples of `items` (completions, or an environment's trajectories), rewards, failure flags,
+    their summary and the seconds spent scoring."""
+    if isinstance(run.task, EnvSuite):
+        return (*play(run, items, salt), 0.0)
+    results = sample_groups(run, items, salt)
+    t1 = time.perf_counter()
+    rewards, failed, summary = score(run, items, results)
+    return results, rewards, failed, summary, time.perf_counter() - t1
+
+
 def generate(run: Run) -> Rollouts:
     """Generate and score prompt groups; with dynamic sampling, refill zero-variance groups."""
     loop = run.cfg.grpo
@@ -213,10 +238,8 @@ def generate(run: Run) -> Rollouts:
         if need <= 0:
             break
         items = run.task.train.next_batch(need if attempt else loop.num_prompts_per_step)
-        results = sample_groups(run, items, salt=attempt)
-        t1 = time.perf_counter()
-        rewards, failed, summary = score(run, items, results)
-        t_reward += time.perf_counter() - t1
+        results, rewards, failed, summary, seconds = draw(run, items, salt=attempt)
+        t_reward += seconds
         summaries.append(summary)
         drawn.append(rewards[~failed])
         group_ids = torch.arange(len(items)).repeat_interleave(g)
@@ -248,6 +271,9 @@ def generate(run: Run) -> Rollouts:
         / max(len(kept_results), 1),
         "timing/reward_s": t_reward,
     }
+    for key in sorted({k for s in summaries for k in s if k.startswith("env/")}):  # episodes: mean of draws
+        values = [s[key] for s in summaries if key in s]
+        metrics[key] = sum(values) / len(values)
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 
@@ -344,6 +370,8 @@ def validate(run: Run) -> dict[str, float]:
     """Held-out accuracy (greedy when k=1) and pass@k over the eval prompts (rollout/validation.py)."""
     colocated_generation_start(run)
     try:
+        if isinstance(run.task, EnvSuite):
+            return episodes.validate_env(run.engine, run.tokenizer, run.task, run.cfg.sampling, run.cfg.grpo)
         return rollout_validation.validate(
             run.engine, run.task, run.tokenizer, run.cfg.sampling, run.cfg.grpo
         )

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig
 from posttrain.config import Config
+from posttrain.envs.build import EnvConfig
 from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.weight_sync import WeightSyncConfig
 from posttrain.logging import LoggingConfig
@@ -47,6 +48,11 @@ class GRPORunSections(Config):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=8))
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    env: EnvConfig | None = Field(
+        None,
+        description="a multi-turn environment in place of the single-turn task (the task is then unused); "
+        "groups are trajectories of the same sample",
+    )
     grpo: GRPOLoopConfig = Field(default_factory=GRPOLoopConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)

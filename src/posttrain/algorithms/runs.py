@@ -15,6 +15,7 @@ import torch
 
 from posttrain.algorithms.checkpointing import CheckpointManager, check_resume_config
 from posttrain.config import Config, dump_config
+from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, get_logger
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
@@ -32,21 +33,28 @@ class RunParts:
     out: Path
     policy: Policy
     tokenizer: Any
-    task: Task
+    task: Task | EnvSuite
     own_policy: bool  # built here (so the run shuts it down), not passed in
 
 
 def start_run(
-    output_dir: str, seed: int, policy_cfg: PolicyConfig, task_cfg: TaskConfig, policy: Policy | None
+    output_dir: str,
+    seed: int,
+    policy_cfg: PolicyConfig,
+    task_cfg: TaskConfig,
+    policy: Policy | None,
+    env_cfg: EnvConfig | None = None,
 ) -> RunParts:
-    """Output directory, global seed, then policy (unless given), tokenizer and task, in that order."""
+    """Output directory, global seed, then policy (unless given), tokenizer and task (the environment
+    `env_cfg` when given), in that order."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     own_policy = policy is None
     policy = policy or Policy(policy_cfg)
     tokenizer = build_tokenizer(policy_cfg.model)
-    return RunParts(out, policy, tokenizer, build_task(task_cfg, tokenizer), own_policy)
+    task = build_env(env_cfg) if env_cfg is not None else build_task(task_cfg, tokenizer)
+    return RunParts(out, policy, tokenizer, task, own_policy)
 
 
 def resume(

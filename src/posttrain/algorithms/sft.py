@@ -15,10 +15,12 @@ from posttrain.algorithms.losses import NLLLoss
 from posttrain.algorithms.runs import open_metrics, start_run, write_config
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
+from posttrain.envs.build import EnvConfig, EnvSuite
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.policy import Policy
+from posttrain.rollout.episodes import demonstration_examples
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, sft_examples
 from posttrain.tasks.build import TaskConfig
 from posttrain.tasks.task import SFTExample
@@ -35,6 +37,10 @@ class SFTConfig(Config):
         )
     )
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    env: EnvConfig | None = Field(
+        None,
+        description="warm-start on this environment's demonstrations (ideal episodes) instead of the task",
+    )
     max_num_steps: int = Field(200, ge=0, description="optimizer steps")
     val_period: int = Field(50, ge=0, description="held-out loss every N steps (0 = only at the end)")
     seed: int = 0
@@ -67,12 +73,19 @@ def to_batch(examples: list[SFTExample], pad_id: int, multiple_of: int = 1):
     padded = examples + [examples[i % n] for i in range(-n % multiple_of)]
     mask = [1.0] * n + [0.0] * (len(padded) - n)
     return batch_from_sequences(
-        [e.prompt_token_ids for e in padded], [e.completion_token_ids for e in padded], pad_id, mask
+        [e.prompt_token_ids for e in padded],
+        [e.completion_token_ids for e in padded],
+        pad_id,
+        mask,
+        [e.completion_mask for e in padded],
     )
 
 
 def heldout_examples(task, tokenizer) -> list[SFTExample]:
-    """Held-out SFT examples (eval prompts with their answers) when the task has gold answers."""
+    """Held-out SFT examples (eval prompts with their answers, an environment's held-out
+    demonstrations) when the task has them."""
+    if isinstance(task, EnvSuite):
+        return demonstration_examples(task, tokenizer, task.eval) if task.eval is not None else []
     if task.eval is None or not all("answer" in it.metadata for it in task.eval):
         return []
     return sft_examples(task.eval, tokenizer)
@@ -86,14 +99,18 @@ def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:
 
 def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the final held-out loss."""
-    parts = start_run(cfg.output_dir, cfg.seed, cfg.policy, cfg.task, policy)
+    parts = start_run(cfg.output_dir, cfg.seed, cfg.policy, cfg.task, policy, cfg.env)
     out, policy, tokenizer, task = parts.out, parts.policy, parts.tokenizer, parts.task
+    if isinstance(task, EnvSuite):
+        examples = demonstration_examples(task, tokenizer, task.train)
+    else:
+        examples = task.sft_examples
     write_config(out, cfg)
     pad_id = pad_token_id(tokenizer)
     heldout = heldout_examples(task, tokenizer)
     metrics_log = open_metrics(out, cfg.logging, resumed=False)
     progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
-    batches = example_batches(task.sft_examples, cfg.policy.train_global_batch_size, cfg.seed)
+    batches = example_batches(examples, cfg.policy.train_global_batch_size, cfg.seed)
     last: dict[str, float] = {}
     try:
         for step in range(1, cfg.max_num_steps + 1):

@@ -18,7 +18,9 @@ class ModelConfig(Config):
 
     name: str = Field("tiny", description="HF hub name or local directory; 'tiny' builds a random tiny model")
     tokenizer: str | None = Field(
-        None, description="tokenizer name/dir; default: same as `name` (char tokenizer for tiny)"
+        None,
+        description="tokenizer name/dir; default: same as `name` (char tokenizer for tiny); tiny-chat: the "
+        "char tokenizer with chat tokens and a chat template (multi-turn environments)",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model")
     seed: int = Field(0, description="init seed of the tiny model")

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tie_lm_head, tiny_config
-from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
 from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.mesh import local_tensor
 from posttrain.parallel.parallelize import parallelize
@@ -17,8 +17,11 @@ from posttrain.policy.config import ModelConfig, PolicyConfig
 
 
 def build_tokenizer(cfg: ModelConfig):
-    """The tokenizer of the model (the built-in char tokenizer for `tiny`)."""
+    """The tokenizer of the model (the built-in char tokenizer for `tiny`; `tiny-chat`: the char
+    tokenizer with chat tokens and a chat template, for multi-turn environments)."""
     name = cfg.tokenizer or cfg.name
+    if name == "tiny-chat":
+        return build_chat_tokenizer()
     return build_char_tokenizer() if name == "tiny" else load_tokenizer(name)
 
 

@@ -67,6 +67,40 @@ class ChatRenderer:
             )
         return ids[0], at + len(_PROBE_REPLY) + after.index(closing) + len(closing)
 
+    def reply(self, message: Message) -> list[int]:
+        """The ids of an assistant message as the model writes it after the generation prompt, through
+        the token closing the turn (the supervised warm start's targets)."""
+        head = self._text([_PROBE_USER], True)
+        text = self._text([_PROBE_USER, message], False)
+        if not text.startswith(head):
+            raise ValueError(
+                "the chat template's generation prompt is not how it starts an assistant message"
+            )
+        ids = self._ids(text[len(head) :])
+        if self.end_of_turn not in ids:
+            raise ValueError("the chat template renders an assistant message without closing the turn")
+        return ids[: ids.index(self.end_of_turn) + 1]
+
+    def conversation(self, messages: list[Message]) -> tuple[list[int], list[int], list[int]]:
+        """A whole conversation as (opening ids, the rest, mask: 1 on the assistant's tokens), built the
+        way a trajectory is: opening, then each reply, then the ids of the messages that follow it."""
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None or messages[-1]["role"] != "assistant":
+            raise ValueError("a demonstration needs assistant messages and must end with one")
+        prompt, rest, mask = self.prompt(messages[:first]), [], []
+        i = first
+        while i < len(messages):
+            j = i + 1
+            while j < len(messages) and messages[j]["role"] != "assistant":
+                j += 1
+            ids = self.reply(messages[i])
+            rest, mask = rest + ids, mask + [1] * len(ids)
+            if j > i + 1:
+                obs = self.observation(messages[i + 1 : j])
+                rest, mask = rest + obs, mask + [0] * len(obs)
+            i = j
+        return prompt, rest, mask
+
     def prompt(self, messages: list[Message]) -> list[int]:
         """The ids of the opening messages, ending with the assistant's generation prompt."""
         if not messages:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from posttrain.config import Config
+from posttrain.envs.build import EnvConfig
 from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.weight_sync import WeightSyncConfig
 from posttrain.parallel.cluster import ClusterConfig
@@ -39,6 +40,7 @@ class RolloutWorkerConfig(Config):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)
+    env: EnvConfig | None = Field(None, description="a multi-turn environment in place of the task")
     group: GroupConfig = Field(default_factory=GroupConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     dp_size: int = Field(1, ge=1, description="the trainer's data-parallel size (probe rows are a multiple)")

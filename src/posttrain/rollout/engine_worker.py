@@ -28,6 +28,7 @@ import asyncio
 import time
 from typing import Any
 
+from posttrain.envs.build import EnvSuite, build_env
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.payload import WeightsPayload
@@ -35,6 +36,7 @@ from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.rollout.config import RolloutWorkerConfig
 from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
+from posttrain.rollout.episodes import play_groups, trajectory_rewards
 from posttrain.rollout.groups import engine_config, group_seed, probe_sync, score
 from posttrain.rollout.rows import GroupSamples, attach_rows
 from posttrain.tasks.build import build_task
@@ -66,7 +68,7 @@ class EngineRolloutWorker(RolloutWorker):
     loads_between_requests = True
 
     def __init__(
-        self, cfg: RolloutWorkerConfig, engine: GenerationEngine, task: Task, name: str = ""
+        self, cfg: RolloutWorkerConfig, engine: GenerationEngine, task: Task | EnvSuite, name: str = ""
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -99,7 +101,10 @@ class EngineRolloutWorker(RolloutWorker):
         reward = cfg.task.reward
         if reward.on_reward_error == "skip_sample":  # the trainer side checks the fraction per step
             reward = reward.model_copy(update={"max_failed_fraction": 1.0})
-        task = build_task(cfg.task.model_copy(update={"reward": reward}), tokenizer)
+        if cfg.env is not None:
+            task: Task | EnvSuite = build_env(cfg.env)
+        else:
+            task = build_task(cfg.task.model_copy(update={"reward": reward}), tokenizer)
         model = load_full_model(cfg.model, tokenizer)
         engine = GenerationEngine(model, tokenizer, engine_config(cfg.generation, cfg.sampling, task))
         return cls(cfg, engine, task, name)
@@ -141,9 +146,38 @@ class EngineRolloutWorker(RolloutWorker):
         return self._loaded
 
     async def _generate_scored(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        if isinstance(self.task, EnvSuite):
+            return await self._play_scored(prompts, weight_version)
         g = self.cfg.group.num_generations_per_prompt
         generated = await asyncio.gather(*(self._generate(p, weight_version, g) for p in prompts))
         return await asyncio.to_thread(self._score_groups, prompts, generated, weight_version)
+
+    async def _play_scored(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        """An environment's episodes: each group's trajectories played concurrently, the rewards the
+        environment gave (failed trajectories NaN and flagged), rows laid out on a thread."""
+        assert isinstance(self.task, EnvSuite)
+        g, seed = self.cfg.group.num_generations_per_prompt, self.cfg.group.seed
+        t0 = time.perf_counter()
+        groups = await play_groups(
+            self.engine,
+            self.engine.tokenizer,
+            self.task,
+            prompts,
+            g,
+            self.cfg.sampling,
+            lambda i: group_seed(seed, prompts[i].prompt_id, weight_version),
+        )
+        seconds = time.perf_counter() - t0
+        out = []
+        for prompt, trajs in zip(prompts, groups):
+            rewards, failed, summary = trajectory_rewards(trajs)
+            versions = {v for t in trajs for v in (turn.weight_version for turn in t.turns)}
+            stamp = versions.pop() if len(versions) == 1 else (weight_version if not versions else -1)
+            metrics = {**summary, "generation_s": seconds, **self._sync_metrics}
+            samples = GroupSamples(prompt.prompt_id, trajs, rewards.tolist(), failed.tolist(), metrics)
+            out.append(GroupResult(samples, stamp, g))
+        await asyncio.to_thread(attach_rows, [r.samples for r in out], self.cfg.group, self._pad_id)
+        return out
 
     def _requests(self, prompt: PromptItem, weight_version: int) -> tuple[list[int], Any]:
         """A group's prompt and sampling parameters: its G requests share them, with the group's seed
@@ -247,6 +281,8 @@ class EngineRolloutWorker(RolloutWorker):
                 f"{self.name}: asked for weight version {weight_version}, but the engine holds "
                 f"{self.engine.weight_version}"
             )
+        if isinstance(self.task, EnvSuite):  # episodes await their environments: an event loop here
+            return self._blocking_episodes(prompts, weight_version)
         g = self.cfg.group.num_generations_per_prompt
         requests = [self._requests(p, weight_version) for p in prompts]
         ids = self.engine.submit_all(  # all validated before any is queued
@@ -269,6 +305,13 @@ class EngineRolloutWorker(RolloutWorker):
             raise
         generated = [([done[rid] for rid in ids[i * g : (i + 1) * g]], s) for i, s in enumerate(seconds)]
         return self._score_groups(prompts, generated, weight_version)
+
+    def _blocking_episodes(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
+        try:
+            return asyncio.run(self._play_scored(prompts, weight_version))
+        except BaseException as e:  # its requests may be left in the engine: no later call can trust it
+            self._mark_broken("an episode's generation failed", e)
+            raise
 
     def set_weights_blocking(self, version: int, weights: WeightsPayload) -> None:
         """`set_weights` in the calling thread, between calls (the engine is idle)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from posttrain.envs.build import EnvSuite
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.sampler import derive_seed
@@ -40,13 +41,18 @@ def validation_seed(seed: int, row: int) -> int:
     return derive_seed(seed, _VALIDATION, row)
 
 
-def engine_config(generation: GenerationConfig, sampling: SamplingParams, task: Task) -> GenerationConfig:
+def engine_config(
+    generation: GenerationConfig, sampling: SamplingParams, task: Task | EnvSuite
+) -> GenerationConfig:
     """The engine's config as the loops use it: on the default device unless set, and a KV cache no
-    longer than the longest prompt plus `max_new_tokens` unless `max_model_len` is set."""
+    longer than the longest prompt plus `max_new_tokens` (an environment's `max_tokens` per
+    trajectory) unless `max_model_len` is set."""
     gen = generation
     if gen.device is None:
         gen = gen.model_copy(update={"device": str(default_device())})
-    if gen.max_model_len is None:
+    if gen.max_model_len is None and isinstance(task, EnvSuite):
+        gen = gen.model_copy(update={"max_model_len": task.limits.max_tokens})
+    elif gen.max_model_len is None:
         splits = [ds for ds in (task.train, task.eval) if ds is not None]
         longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
         gen = gen.model_copy(update={"max_model_len": longest + sampling.max_new_tokens})

@@ -129,7 +129,7 @@ async def env_call(fn: Callable[..., Any], *args: Any, timeout: float, what: str
         raise EnvFailure(f"{what} raised {type(e).__name__}: {e}") from e
 
 
-def _opening(reset: Any, system_prompt: str | None) -> tuple[list[dict], list[dict]]:
+def opening(reset: Any, system_prompt: str | None) -> tuple[list[dict], list[dict]]:
     """The opening messages and tool schemas of a reset() result."""
     if isinstance(reset, EnvReset):
         messages, tools = list(reset.messages), as_tools(reset.tools)
@@ -168,12 +168,14 @@ async def run_trajectory(
     try:
         env = spec.make_env(sample)
         reset = await env_call(env.reset, timeout=limits.step_timeout_s, what="reset()")
-        messages, tools = _opening(reset, spec.system_prompt)
+        messages, tools = opening(reset, spec.system_prompt)
         chat = ChatRenderer(tokenizer, tools)
         traj.prompt_token_ids = chat.prompt(messages)
         await _play(engine, tokenizer, spec, env, chat, traj, sampling, seed, stream, session)
     except EnvFailure as e:
         traj.failed, traj.error, traj.reward = True, str(e), math.nan
+        if not traj.prompt_token_ids:  # failed before its opening: one masked token keeps its row valid
+            traj.prompt_token_ids = [tokenizer.eos_token_id or 0]
     finally:
         engine.end_session(session)
         if env is not None and hasattr(env, "close"):
@@ -223,6 +225,8 @@ async def _play(
             traj.info.update({k2: float(v) for k2, v in out.info.items()})
             return
         obs = chat.observation(out.messages)
+        if res.token_ids[-1] != chat.end_of_turn:  # ended by another stop (e.g. </tool_call>): close it
+            obs = [chat.end_of_turn, *obs]
         if len(traj.prompt_token_ids) + len(traj.token_ids) + len(obs) >= limits.max_tokens:
             break
         traj._extend(obs, None)
@@ -230,12 +234,18 @@ async def _play(
 
 
 def _reply(tokenizer: Any, spec: EnvSuite, res: GenerationResult, end_of_turn: int) -> AssistantMessage:
-    """The sampled reply as a message: its text without the closing token, and its parsed calls."""
+    """The sampled reply as a message: its text without the closing token, and its parsed calls. A
+    reply ended by another stop token or string (`sampling.stop_token_ids`, e.g. `</tool_call>`) is
+    complete too: the closing token is then appended as context (not trained) before the next
+    messages. A reply cut by its token limit is `truncated`."""
     ids = list(res.token_ids)
-    closed = res.finish_reason == "stop" and ids and ids[-1] == end_of_turn
+    closed = res.finish_reason == "stop" and bool(ids) and ids[-1] == end_of_turn
     text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
     return AssistantMessage(
-        content=text, tool_calls=spec.parse_tool_calls(text), token_ids=ids, truncated=not closed
+        content=text,
+        tool_calls=spec.parse_tool_calls(text),
+        token_ids=ids,
+        truncated=res.finish_reason != "stop" or not ids,
     )
 
 

@@ -39,6 +39,7 @@ class SFTExample:
     completion: str
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    completion_mask: list[int] | None = None  # 1 on trained tokens (a conversation's replies); None = all
 
 
 @dataclass

