@@ -15,8 +15,15 @@ synchronous loop); `submit()` + `step()` / `iter_results()` hand results back as
 while there is work, so the event loop stays free to submit more; generation/stepper.py). The engine
 starts no thread at construction, so it can be built inside a Ray actor (see generation/rollout.py).
 
+Sessions (multi-turn): a request may name a session key (`submit(..., session=key)`, likewise the
+other verbs). When it finishes, the keys/values in its slot are kept under the key; when the session's
+next prompt extends the kept tokens (prompt + completion + observation), only the new tokens are
+prefilled, after the kept keys/values are copied into the slot. Weight loads and sleep() drop them all;
+`end_session(key)` drops one (generation/sessions.py).
+
 This file is the core: requests, slots, prefill/decode scheduling, sleep/wake. Weight loading is
-generation/weights.py, the LM head and sequence scoring generation/lm_head.py.
+generation/weights.py, sessions generation/sessions.py, the LM head and sequence scoring
+generation/lm_head.py.
 
 Departures from `transformers.generate`: a static per-slot cache instead of a growing
 `DynamicCache` (no concatenation per step), 4-D masks built by the engine (transformers uses them
@@ -32,7 +39,7 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 import torch
 
@@ -43,6 +50,7 @@ from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logpr
 from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
+from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
 
@@ -66,10 +74,10 @@ def _check_supported(model, max_len: int) -> None:
         )
 
 
-class GenerationEngine(AsyncStepping, EngineWeights):
+class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
     """Batched sampler over one Hugging Face causal LM; see the module docstring. The asyncio verbs
     come from `AsyncStepping` (generation/stepper.py), the weight verbs from `EngineWeights`
-    (generation/weights.py)."""
+    (generation/weights.py), the session verbs from `EngineSessions` (generation/sessions.py)."""
 
     def __init__(self, model, tokenizer=None, cfg: GenerationConfig | None = None) -> None:
         self.cfg = cfg or GenerationConfig()
@@ -122,6 +130,7 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         self._admit_paused = False
         self._admit_delay = 0  # decode steps that left free slots unfilled (see _admit_due)
         self.num_generated_tokens = 0
+        self._build_sessions()  # the session store; num_prefill_tokens, num_reused_tokens, num_session_misses
 
     # ------------------------------------------------------------------ requests
 
@@ -132,6 +141,7 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         stream_index: int,
         prompt_index: int | None,
         checked: dict | None = None,
+        session: Hashable | None = None,
     ) -> Request:
         """A validated request. `checked` memoizes validation over one call's repeated prompts/params."""
         checked = {} if checked is None else checked
@@ -142,6 +152,10 @@ class GenerationEngine(AsyncStepping, EngineWeights):
                 stop_ids(params, self.vocab_size, self.eos_token_id),
             )
         ids, stops = checked[memo]
+        try:
+            hash(session)
+        except TypeError:
+            raise ValueError(f"a session key must be hashable (str, int, tuple), got {session!r}") from None
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to GenerationEngine(model, tokenizer)")
         rid = next(self._ids)
@@ -157,6 +171,7 @@ class GenerationEngine(AsyncStepping, EngineWeights):
             key=key,
             limit=min(params.max_new_tokens, self.max_len - len(ids)),
             stop_ids=stops,
+            session=session,
         )
 
     def _make_requests(
@@ -164,9 +179,10 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None,
         streams: list[int] | None = None,
+        sessions: list[Hashable | None] | None = None,
     ) -> list[Request]:
-        """Validated requests (nothing queued yet); request k draws from stream `streams[k]` (default k)
-        and reports prompt index `streams[k]`."""
+        """Validated requests (nothing queued yet); request k draws from stream `streams[k]` (default k),
+        reports prompt index `streams[k]` and belongs to session `sessions[k]` (default none)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(
@@ -180,8 +196,17 @@ class GenerationEngine(AsyncStepping, EngineWeights):
             streams = list(range(len(prompts)))
         elif len(streams) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(streams)} stream indices")
+        if sessions is None:
+            sessions = [None] * len(prompts)
+        elif len(sessions) != len(prompts):
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(sessions)} session keys; pass one per prompt"
+            )
         checked: dict = {}
-        return [self._make_request(p, sp, k, k, checked) for p, sp, k in zip(prompts, plist, streams)]
+        return [
+            self._make_request(p, sp, k, k, checked, s)
+            for p, sp, k, s in zip(prompts, plist, streams, sessions)
+        ]
 
     def submit(
         self,
@@ -190,9 +215,13 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         *,
         stream_index: int = 0,
         prompt_index: int | None = None,
+        session: Hashable | None = None,
     ) -> int:
-        """Queue one request; returns its id. Safe to call while a step runs in another thread."""
-        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
+        """Queue one request (of `session`, see the module docstring); returns its id. Safe to call while
+        a step runs in another thread."""
+        req = self._make_request(
+            prompt, params or SamplingParams(), stream_index, prompt_index, session=session
+        )
         self._waiting.append(req)
         return req.request_id
 
@@ -201,12 +230,13 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         streams: list[int] | None = None,
+        sessions: list[Hashable | None] | None = None,
     ) -> list[int]:
         """Queue several requests as `generate` would (request k draws from stream k, or from
-        `streams[k]`); returns their ids, in prompt order. All or none: every request is validated
-        before any is queued. `step()` then hands out their results."""
+        `streams[k]`, and belongs to session `sessions[k]`); returns their ids, in prompt order. All or
+        none: every request is validated before any is queued. `step()` then hands out their results."""
         self._check_can_run()  # before queueing anything
-        reqs = self._make_requests(prompts, params, streams)
+        reqs = self._make_requests(prompts, params, streams, sessions)
         self._waiting.extend(reqs)
         return [r.request_id for r in reqs]
 
@@ -252,16 +282,20 @@ class GenerationEngine(AsyncStepping, EngineWeights):
             yield from self.step()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        sessions: list[Hashable | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate a completion for every prompt (blocking); results in prompt order."""
+        """Generate a completion for every prompt (blocking; prompt k of session `sessions[k]`); results
+        in prompt order."""
         self._futures = {k: f for k, f in self._futures.items() if not (f.done() or f.get_loop().is_closed())}
         if self._futures:
             raise EngineStateError(
                 "generate() called while asynchronous requests are pending; await them first "
                 "(or use agenerate()/astream() for these prompts too)"
             )
-        ids = self.submit_all(prompts, params)
+        ids = self.submit_all(prompts, params, sessions=sessions)
         wanted = set(ids)
         got: dict[int, GenerationResult] = {}
         while len(got) < len(ids):
@@ -285,20 +319,16 @@ class GenerationEngine(AsyncStepping, EngineWeights):
     # ------------------------------------------------------------------ prefill
 
     def _take_chunk(self) -> list[Request]:
-        """The next prefill chunk: waiting requests in order, while the distinct prompts (repeats are
-        prefilled once, see _prefill) padded to the longest fit `max_prefill_tokens`."""
+        """The next prefill chunk: waiting requests in order, while the distinct fresh prompts (repeats
+        are prefilled once, see _prefill) padded to the longest, plus the new parts of prompts that
+        continue a session, fit `max_prefill_tokens`."""
         chunk: list[Request] = []
-        distinct: set[tuple[int, ...]] = set()
-        longest = 0
+        budget = PrefillBudget(self.cfg.max_prefill_tokens)
         while self._waiting and len(self._active) + len(chunk) < self.cfg.max_num_seqs:
-            prompt = tuple(self._waiting[0].prompt)
-            rows = len(distinct) + (prompt not in distinct)
-            n = max(longest, len(prompt))
-            if chunk and n * rows > self.cfg.max_prefill_tokens:
+            self._waiting[0].reuse = self._session_prefix(self._waiting[0])
+            if not budget.take(self._waiting[0]):
                 break
             chunk.append(self._waiting.popleft())
-            distinct.add(prompt)
-            longest = n
         return chunk
 
     def _admit(self) -> list[Request]:
@@ -307,7 +337,11 @@ class GenerationEngine(AsyncStepping, EngineWeights):
             return finished
         self._admit_delay = 0
         while self._waiting and not self._admit_paused and len(self._active) < self.cfg.max_num_seqs:
-            finished += self._prefill(self._take_chunk())
+            fresh, continued = self._split_chunk(self._take_chunk())
+            if fresh:
+                finished += self._prefill(fresh)
+            if continued:  # a forward of its own (generation/sessions.py)
+                finished += self._prefill_continued(continued)
         return finished
 
     def _admit_due(self) -> bool:
@@ -352,10 +386,19 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         self.cache.plan_prefill(n0, u)
         mask = self._additive(mask)[:, None]
         logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
+        self.num_prefill_tokens += sum(len(r.prompt) for r in firsts)
         if repeats:
             source = torch.tensor([distinct[tuple(r.prompt)] for r in chunk], device=self.device)
             self.cache.copy_slots(source[u:] + n0, torch.arange(n0 + u, n0 + k, device=self.device), width)
             logits, lengths = logits[source], lengths[source]
+        return self._start(chunk, n0, logits, lengths)
+
+    def _start(
+        self, chunk: list[Request], n0: int, logits: torch.Tensor, lengths: torch.Tensor
+    ) -> list[Request]:
+        """Seat prefilled requests in slots n0.. (prompt lengths `lengths`, next-token `logits`) and draw
+        each one's first token."""
+        k = len(chunk)
         for r in chunk:
             r.weight_version = self.weight_version
         self._active.extend(chunk)
@@ -446,6 +489,7 @@ class GenerationEngine(AsyncStepping, EngineWeights):
         self.num_generated_tokens += len(tokens)
         finished = [self._active[s] for s in ended]
         if ended:
+            self._save_sessions(ended)
             self._release(ended)
         return finished
 
@@ -513,8 +557,9 @@ class GenerationEngine(AsyncStepping, EngineWeights):
             self._check_idle("sleep")
             if self._sleeping:
                 return {"bytes_released": 0.0}
-            released = self.cache.nbytes()
+            released = self.cache.nbytes() + self._sessions.nbytes()
             self.cache.free()
+            self.clear_sessions()  # their keys/values live on the device
             self._head.drop_packed()
             keep_host = keep_weights and not self._shared
             if not (keep_host and self.device.type == "cpu"):

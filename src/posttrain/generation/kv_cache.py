@@ -7,14 +7,31 @@ the view `[:n, :, :L]` with no copy and no per-step concatenation.
 
 The object is passed to the model as `past_key_values`; Hugging Face attention layers call
 `update(key_states, value_states, layer_idx)` and attend over what it returns. Before each forward
-the engine says what is being written (`plan_prefill` or `plan_decode`) and passes its own 4-D mask,
-which transformers uses as is (no mask building per step). Buffers are allocated on the first
-forward, from the shapes the model hands in, so any head layout works.
+the engine says what is being written (`plan_prefill`, `plan_extend` or `plan_decode`) and passes its
+own 4-D mask, which transformers uses as is (no mask building per step). Buffers are allocated on the
+first forward, from the shapes the model hands in, so any head layout works.
+
+A `KVPrefix` is the keys/values of the first tokens of one slot copied out into a compact tensor of
+its own (`read_prefix`), to be copied into another slot later (`load_prefixes`) and continued there
+(`plan_extend`): the engine's multi-turn sessions (generation/sessions.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """Keys/values of the tokens `ids` (positions 0..len(ids)-1) of one sequence, out of any slot."""
+
+    ids: tuple[int, ...]
+    kv: torch.Tensor  # [2 * layers, kv_heads, len(ids), head_dim]: keys then values of each layer
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 class SlotKVCache:
@@ -32,12 +49,24 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._row_index: torch.Tensor | None = None
         self._length = 0
+        self._slots: torch.Tensor | None = None  # plan_extend: [rows, 1] slots and [rows, q] positions
 
     # ------------------------------------------------------------------ planning
 
     def plan_prefill(self, first_slot: int, rows: int) -> None:
         """The next forward writes `rows` prompts, from position 0, into slots first_slot.. ."""
         self._mode, self._start, self._rows = "prefill", first_slot, rows
+
+    def plan_extend(self, first_slot: int, offsets: torch.Tensor, width: int, length: int) -> torch.Tensor:
+        """The next forward writes `width` tokens per slot first_slot.. (one row per entry of `offsets`),
+        row i at positions offsets[i].. (clamped to the last position: only padding gets there), and
+        attends over positions < `length` of those slots. Returns those positions [rows, width]."""
+        rows = offsets.shape[0]
+        self._mode, self._start, self._rows, self._length = "extend", first_slot, rows, length
+        self._slots = torch.arange(first_slot, first_slot + rows, device=offsets.device)[:, None]
+        steps = torch.arange(width, device=offsets.device)
+        self._positions = (offsets[:, None] + steps[None, :]).clamp_(max=self.max_len - 1)
+        return self._positions
 
     def plan_decode(self, rows: int, positions: torch.Tensor, length: int) -> None:
         """The next forward writes one token per slot 0..rows-1 at `positions` [rows] and attends over
@@ -63,6 +92,11 @@ class SlotKVCache:
             k[self._start : self._start + self._rows, :, :q] = key_states
             v[self._start : self._start + self._rows, :, :q] = value_states
             return key_states, value_states
+        if self._mode == "extend":
+            k[self._slots, :, self._positions] = key_states.transpose(1, 2)  # [rows, q, kv_heads, d]
+            v[self._slots, :, self._positions] = value_states.transpose(1, 2)
+            rows = slice(self._start, self._start + self._rows)
+            return k[rows, :, : self._length], v[rows, :, : self._length]
         if self._mode == "decode":
             rows = self._row_index[: self._rows]
             return self.write_decode(
@@ -100,6 +134,25 @@ class SlotKVCache:
             if k is not None:
                 k[dst, :, :length] = k[src, :, :length]
                 v[dst, :, :length] = v[src, :, :length]
+
+    def read_prefix(self, slot: int, ids: list[int]) -> KVPrefix:
+        """A copy of the keys/values of the first len(ids) positions of `slot` (which hold `ids`)."""
+        n = len(ids)
+        kv = torch.stack([t[slot, :, :n] for k, v in zip(self.keys, self.values) for t in (k, v)])
+        return KVPrefix(tuple(ids), kv)
+
+    def load_prefixes(self, first_slot: int, prefixes: list[KVPrefix]) -> None:
+        """Copy prefix i into positions 0..len-1 of slot first_slot + i (one indexed write per layer)."""
+        assert self.keys[0] is not None, "a prefix is loaded only into allocated buffers"
+        device = self.keys[0].device
+        slots = torch.cat(
+            [torch.full((len(p),), first_slot + i, device=device) for i, p in enumerate(prefixes)]
+        )
+        positions = torch.cat([torch.arange(len(p), device=device) for p in prefixes])
+        kv = torch.cat([p.kv for p in prefixes], dim=2).transpose(1, 2)  # [2 * layers, tokens, kv_heads, d]
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slots, :, positions] = kv[2 * layer]
+            v[slots, :, positions] = kv[2 * layer + 1]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)

@@ -58,6 +58,18 @@ class GenerationConfig(Config):
         "auto", description="weights and KV-cache dtype; auto = the model's dtype"
     )
     seed: int = Field(0, description="requests without a seed draw from streams derived from this seed")
+    session_kv_reuse: bool = Field(
+        True,
+        description="keep the keys/values of a finished request that names a session, and prefill only "
+        "the new tokens of the session's next prompt when it extends them (multi-turn); "
+        "False = store nothing, always prefill whole prompts",
+    )
+    max_cached_sessions: int = Field(
+        256,
+        ge=0,
+        description="sessions whose keys/values are kept on the engine's device (the least recently "
+        "used are dropped beyond it); each holds its whole conversation's keys/values",
+    )
 
 
 class SamplingParams(Config):

@@ -3,8 +3,10 @@ far, and the stop rules (stop token ids, stop strings, token and context limits)
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from posttrain.generation.kv_cache import KVPrefix
 from posttrain.generation.params import FinishReason, GenerationResult, SamplingParams
 
 # A character may take up to 4 byte-level tokens; stop strings are searched in the decoded text of the
@@ -28,6 +30,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     weight_version: int = 0
+    session: Hashable | None = None  # its keys/values are kept under this key when it finishes
+    reuse: KVPrefix | None = None  # the session's stored prefix this prompt extends (set at admission)
 
     @property
     def position(self) -> int:

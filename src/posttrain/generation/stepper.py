@@ -16,7 +16,7 @@ import atexit
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 
 from posttrain.generation.params import GenerationResult, SamplingParams
 from posttrain.generation.requests import Request
@@ -78,9 +78,13 @@ class AsyncStepping:
         *,
         stream_index: int = 0,
         prompt_index: int | None = None,
+        session: Hashable | None = None,
     ) -> GenerationResult:
-        """Submit one request and wait for its result (other coroutines may submit meanwhile)."""
-        req = self._make_request(prompt, params or SamplingParams(), stream_index, prompt_index)
+        """Submit one request (of `session`: see generation/sessions.py) and wait for its result (other
+        coroutines may submit meanwhile)."""
+        req = self._make_request(
+            prompt, params or SamplingParams(), stream_index, prompt_index, session=session
+        )
         fut = self._track(req)
         self._waiting.append(req)
         self._ensure_driver()
@@ -90,10 +94,14 @@ class AsyncStepping:
             self._futures.pop(req.request_id, None)  # also when cancelled: nobody waits any more
 
     async def astream(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        sessions: list[Hashable | None] | None = None,
     ) -> AsyncIterator[GenerationResult]:
-        """Submit prompts and yield each result as soon as it finishes (completion order)."""
-        reqs = self._make_requests(prompts, params)
+        """Submit prompts (prompt k of session `sessions[k]`) and yield each result as soon as it
+        finishes (completion order)."""
+        reqs = self._make_requests(prompts, params, sessions=sessions)
         futs = [self._track(r) for r in reqs]
         self._waiting.extend(reqs)
         self._ensure_driver()
@@ -101,12 +109,15 @@ class AsyncStepping:
             yield await fut
 
     async def agenerate_all(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        sessions: list[Hashable | None] | None = None,
     ) -> list[GenerationResult]:
         """Submit prompts together and wait for all their results, in prompt order (request k draws
-        from stream k, as in `generate`). One wake-up of the caller for all of them, where `astream`
-        has one per result."""
-        reqs = self._make_requests(prompts, params)
+        from stream k, as in `generate`, and belongs to session `sessions[k]`). One wake-up of the
+        caller for all of them, where `astream` has one per result."""
+        reqs = self._make_requests(prompts, params, sessions=sessions)
         futs = [self._track(r) for r in reqs]
         self._waiting.extend(reqs)
         self._ensure_driver()

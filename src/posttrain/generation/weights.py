@@ -111,6 +111,7 @@ class EngineWeights:
     _shared: bool  # parameters alias the trainer's tensors (share_weights)
     _sleeping: bool
     _released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]]  # by sleep(), for wake()
+    clear_sessions: Callable[[], None]  # stored keys/values were computed with the old weights
 
     def begin_load(self, share: bool = False) -> WeightLoad:
         """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
@@ -125,6 +126,7 @@ class EngineWeights:
                 t.data = torch.empty_like(t.data)
             self._shared = False
         self._weights_valid = False
+        self.clear_sessions()  # every load goes through here: kept keys/values belong to the old weights
         return WeightLoad(self.model, self._mark_loaded)
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
