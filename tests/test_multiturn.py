@@ -44,7 +44,9 @@ def stops(tokenizer) -> list[int]:
 def test_continued_turns_match_the_trainers_logprobs_and_train_the_sampled_ids():
     policy = Policy(policy_cfg(model=CHAT_MODEL, train_global_batch_size=8))
     tok = build_tokenizer(policy.cfg.model)
-    engine = GenerationEngine(load_full_model(policy.cfg.model, tok), tok, GenerationConfig(max_model_len=256))
+    engine = GenerationEngine(
+        load_full_model(policy.cfg.model, tok), tok, GenerationConfig(max_model_len=256)
+    )
     engine.load_weights(policy.full_state_dict(), 1)
     calls = []
     agenerate = engine.agenerate
@@ -55,7 +57,9 @@ def test_continued_turns_match_the_trainers_logprobs_and_train_the_sampled_ids()
         return res
 
     engine.agenerate = recorded
-    suite = EnvSuite("echo", None, None, Echo, EnvLimits(max_turns=4, max_tokens=200, max_tokens_per_turn=24), parse_hermes)
+    suite = EnvSuite(
+        "echo", None, None, Echo, EnvLimits(max_turns=4, max_tokens=200, max_tokens_per_turn=24), parse_hermes
+    )
     sampling = SamplingParams(max_new_tokens=24, stop_token_ids=stops(tok))
     trajs = []
     for sid in range(2):
@@ -63,8 +67,8 @@ def test_continued_turns_match_the_trainers_logprobs_and_train_the_sampled_ids()
     assert sum(len(t.turns) for t in trajs) >= 12 and engine.num_reused_tokens > 0
     for t in trajs:  # every turn's prompt is the trajectory so far; every reply is trained as sampled
         for turn in t.turns:
-            prompt, sampled = next(c for c in calls if c[0] == t.prompt_token_ids + t.token_ids[: turn.start])
-            assert t.token_ids[turn.start : turn.end] == sampled
+            prompt = t.prompt_token_ids + t.token_ids[: turn.start]
+            assert (prompt, t.token_ids[turn.start : turn.end]) in calls
     n = len(trajs)
     batch, _ = samples_to_batch(
         trajs, torch.zeros(n), torch.zeros(n, dtype=torch.bool), torch.arange(n) // 4, GroupConfig(), 0, 8
@@ -74,3 +78,61 @@ def test_continued_turns_match_the_trainers_logprobs_and_train_the_sampled_ids()
     assert mask.sum() == sum(sum(t.mask) for t in trajs)
     torch.testing.assert_close(trainer[mask], batch["generation_logprobs"][mask], atol=1e-5, rtol=0)
     policy.shutdown()
+
+
+# --------------------------------------------------------------------------- both loops
+
+
+def env_overrides(tok) -> list[str]:
+    """The guess environment on the tiny chat model: short turns (common characters stop a turn)."""
+    return [
+        "policy.model.tokenizer=tiny-chat",
+        "env.name=guess",
+        "env.num_eval=4",
+        "env.limits.max_turns=3",
+        "env.limits.max_tokens=96",
+        "env.limits.max_tokens_per_turn=8",
+        "sampling.max_new_tokens=8",
+        f"sampling.stop_token_ids={json.dumps(stops(tok))}",
+    ]
+
+
+def test_sync_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
+    from posttrain.algorithms.grpo import run_grpo
+    from tests.helpers import small_grpo_cfg
+
+    tok = build_tokenizer(_model_cfg())
+    out = tmp_path / "run"
+    over = env_overrides(tok)
+    first = run_grpo(small_grpo_cfg(out, *over, "grpo.max_num_steps=2"))
+    assert first["env/turns"] >= 1 and first["env/failed"] == 0
+    last = run_grpo(small_grpo_cfg(out, *over, "grpo.max_num_steps=3"))  # resumes from step 2
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert 1 <= r["env/turns"] <= 3 and r["env/sampled_tokens"] > 0 and r["reward"] == r["reward"]
+    assert [r["step"] for r in records if "val/turns" in r] == [0, 2] and "env/turns" in last
+    assert (out / "curves.png").is_file()
+
+
+def _model_cfg():
+    from posttrain.policy.config import ModelConfig
+
+    return ModelConfig.model_validate(CHAT_MODEL)
+
+
+def test_async_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
+    from posttrain.algorithms.async_grpo.run import run_async_grpo
+    from tests.helpers import small_async_grpo_cfg
+
+    tok = build_tokenizer(_model_cfg())
+    out = tmp_path / "run"
+    over = env_overrides(tok)
+    first = run_async_grpo(small_async_grpo_cfg(out, *over, "async_grpo.num_steps=2"))
+    assert first["summary/steps"] == 2
+    last = run_async_grpo(small_async_grpo_cfg(out, *over, "async_grpo.num_steps=3"))
+    assert last["summary/steps"] == 3 and last["summary/trainer_version"] == 3
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(1 <= r["env/turns"] <= 3 and r["staleness/max"] <= 1 for r in steps)

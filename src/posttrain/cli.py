@@ -62,7 +62,8 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = load_config(DemoConfig, args.config, args.overrides)
     t0 = time.perf_counter()
     res = run_demo(cfg)
-    table = Table(title="posttrain demo: arithmetic, tiny model, SFT warm start then GRPO")
+    what = cfg.sft.env.name if cfg.sft.env is not None else cfg.sft.task.name
+    table = Table(title=f"posttrain demo: {what}, tiny model, SFT warm start then GRPO")
     for col in ("stage", "held-out accuracy"):
         table.add_column(col)
     table.add_row("after SFT warm start", f"{100 * res['accuracy_after_sft']:.1f}%")

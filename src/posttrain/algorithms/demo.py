@@ -82,16 +82,19 @@ class DemoConfig(Config):
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, float]:
-    """Returns accuracy after SFT, after GRPO, and the gain in points."""
+    """Returns accuracy after SFT, after GRPO, and the gain in points. With `sft.env` set, both stages
+    use that environment (SFT on its demonstrations, GRPO on its episodes; configs/demo_*.yaml)."""
     out = Path(cfg.output_dir)
     if cfg.grpo.task != _default_grpo().task and cfg.grpo.task != cfg.sft.task:
         log.warning("demo: grpo.task is ignored; both stages use sft.task (set the task there)")
+    if cfg.grpo.env is not None and cfg.grpo.env != cfg.sft.env:
+        log.warning("demo: grpo.env is ignored; both stages use sft.env (set the environment there)")
     sft = cfg.sft.model_copy(update={"output_dir": str(out / "sft"), "save_final_model": True})
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})
     policy = cfg.grpo.policy.model_copy(update={"model": model})
     grpo = cfg.grpo.model_copy(
-        update={"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task}
+        update={"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task, "env": cfg.sft.env}
     )
     run_grpo(grpo)
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
