@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from posttrain.envs.base import EnvLimits, EnvReset, EnvSample, EnvStep, Environment
+from doubles import ScriptedEngine
+from posttrain.envs.base import Environment, EnvLimits, EnvReset, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.calculator import CalculatorEnvConfig, calc
 from posttrain.envs.guess import GuessEnvConfig
@@ -21,14 +22,13 @@ from posttrain.rollout.chat import ChatRenderer
 from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import run_group, run_trajectory
-from tests.doubles import ScriptedEngine
 
 END = "<|im_end|>"
 SAMPLING = SamplingParams(max_new_tokens=96)
 
 
 def call(expr: str) -> str:
-    return '<tool_call>{"name": "calc", "arguments": {"expr": "%s"}}</tool_call>' % expr
+    return '<tool_call>{"name": "calc", "arguments": {"expr": "' + expr + '"}}</tool_call>'
 
 
 def suite(make_env, **limits) -> EnvSuite:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 import torch
 
-from posttrain.envs.base import EnvLimits, EnvSample, EnvStep, Environment
+from helpers import policy_cfg
+from posttrain.envs.base import Environment, EnvLimits, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite
 from posttrain.envs.tools import parse_hermes
 from posttrain.generation.engine import GenerationEngine
@@ -21,7 +21,6 @@ from posttrain.policy.policy import Policy
 from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import run_group
-from tests.helpers import policy_cfg
 
 CHAT_MODEL = {"name": "tiny", "tokenizer": "tiny-chat", "tiny": {"hidden_size": 32, "intermediate_size": 64}}
 
@@ -98,8 +97,8 @@ def env_overrides(tok) -> list[str]:
 
 
 def test_sync_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
+    from helpers import small_grpo_cfg
     from posttrain.algorithms.grpo import run_grpo
-    from tests.helpers import small_grpo_cfg
 
     tok = build_tokenizer(_model_cfg())
     out = tmp_path / "run"
@@ -123,8 +122,8 @@ def _model_cfg():
 
 
 def test_async_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
+    from helpers import small_async_grpo_cfg
     from posttrain.algorithms.async_grpo.run import run_async_grpo
-    from tests.helpers import small_async_grpo_cfg
 
     tok = build_tokenizer(_model_cfg())
     out = tmp_path / "run"
