@@ -257,3 +257,62 @@ def test_tool_schema_and_hermes_parser():
 
     with pytest.raises(ValueError, match="type hints"):
         Tool.from_function(undocumented)
+
+
+def test_a_reply_ended_by_another_stop_token_is_closed_as_context():
+    tok = build_chat_tokenizer()
+    _, env = calculator()
+    sample = EnvSuite.sample(env.train[0])
+    a, b = sample.data["a"], sample.data["b"]
+    replies = [call(f"{a}*{b}"), f"{a * b}" + END]  # the first stops at </tool_call>, without <|im_end|>
+    engine = ScriptedEngine(tok, lambda prompt, turn: replies[turn])
+    stop = tok.convert_tokens_to_ids("</tool_call>")
+    traj = asyncio.run(
+        run_trajectory(engine, tok, env, sample, SAMPLING.model_copy(update={"stop_token_ids": [stop]}), 0)
+    )
+    assert traj.reward == 1.0 and traj.num_tool_calls == 1
+    first = traj.turns[0]
+    assert traj.token_ids[first.end] == tok.convert_tokens_to_ids(END) and traj.mask[first.end] == 0
+
+
+def test_trajectories_survive_the_checkpoint_codec():
+    import json
+
+    from posttrain.rollout.rows import SAMPLES_CODEC, GroupSamples
+
+    tok = build_chat_tokenizer()
+    _, env = calculator()
+    sample = EnvSuite.sample(env.train[0])
+    good = play(ScriptedEngine(tok, lambda p, t: [call("2*3") + END, "6" + END][t]), env, sample)
+    bad = asyncio.run(
+        run_trajectory(ScriptedEngine(tok, lambda p, t: "x" + END), tok, suite(Raises), sample, SAMPLING, 0)
+    )
+    group = GroupSamples(sample.sample_id, [good, bad], [good.reward, math.nan], [False, True], {"x": 1.0})
+    back = SAMPLES_CODEC.decode(json.loads(json.dumps(SAMPLES_CODEC.encode(group), allow_nan=False)))
+    assert back.results[0] == good and back.results[1].failed and math.isnan(back.results[1].reward)
+    assert back.results[1].error == bad.error and back.failed == [False, True]
+
+
+def test_a_custom_environment_loads_by_path_and_plays(tmp_path):
+    code = tmp_path / "my_env.py"
+    code.write_text(
+        "from posttrain.envs.base import Environment, EnvStep\n"
+        "class Echo(Environment):\n"
+        "    def reset(self):\n"
+        "        return [{'role': 'user', 'content': self.sample.data['q']}]\n"
+        "    async def step(self, message):\n"
+        "        return EnvStep(done=True, reward=float(message.content == self.sample.data['a']))\n"
+    )
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"q": "say hi", "a": "hi"}\n{"q": "say yo", "a": "yo"}\n')
+    from posttrain.envs.build import CustomEnvConfig
+
+    spec = build_env(CustomEnvConfig(env_class=f"{code}:Echo", train_path=str(rows)))
+    assert len(spec.train) == 2 and spec.eval is None
+    tok = build_chat_tokenizer()
+    traj = play(ScriptedEngine(tok, lambda p, t: "hi" + END), spec, EnvSuite.sample(spec.train[0]))
+    assert traj.reward == 1.0 and tok.decode(traj.prompt_token_ids, skip_special_tokens=False).endswith(
+        "say hi<|im_end|><|im_start|>assistant\n"
+    )
+    with pytest.raises(ValueError, match="environment class .* has no attribute 'Nope'"):
+        build_env(CustomEnvConfig(env_class=f"{code}:Nope", train_path=str(rows)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 import torch
 
 from helpers import policy_cfg
@@ -135,3 +136,58 @@ def test_async_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(1 <= r["env/turns"] <= 3 and r["staleness/max"] <= 1 for r in steps)
+
+
+@pytest.mark.distributed
+def test_killing_a_rollout_actor_mid_trajectory_loses_no_sample(tmp_path, ray_session):
+    """Ray rollout actors playing episodes: one is killed while its trajectories are in flight; its
+    groups are played again elsewhere and every sample is trained exactly once."""
+    from helpers import small_async_grpo_cfg
+    from posttrain.algorithms.async_grpo.run import close, setup, train
+    from posttrain.logging import MetricsLogger
+
+    ray = ray_session
+    tok = build_tokenizer(_model_cfg())
+    cfg = small_async_grpo_cfg(
+        tmp_path,
+        *env_overrides(tok),
+        "env.max_number=40",  # 36 training secrets
+        "rollout.backend=ray",
+        "rollout.num_workers=2",
+        "rollout.torch_threads=1",
+        "async_grpo.num_steps=null",
+        "async_grpo.num_epochs=1",
+        "async_grpo.max_staleness=100",
+        "async_grpo.max_in_flight_per_worker=2",
+        "async_grpo.max_groups_per_call=1",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "checkpointing.enabled=false",
+    )
+    run = setup(cfg)
+    in_flight_at_kill: list[int] = []
+
+    async def kill_busy_actor(r, step, metrics):
+        if step != 1:
+            return
+        pool = r.controller.pool
+        slot = pool.slots[0]
+        for _ in range(2000):
+            if slot.in_flight and slot.version == pool.published_version:
+                break
+            await asyncio.sleep(0.005)
+        in_flight_at_kill.extend(slot.in_flight)
+        ray.kill(r.actors[0])
+
+    log = MetricsLogger(tmp_path)
+    try:
+        summary = asyncio.run(asyncio.wait_for(train(run, log, kill_busy_actor), 240))
+    finally:
+        log.close()
+        close(run)
+    assert in_flight_at_kill and list(summary.dead_workers) == [0]
+    ledger = run.controller.ledger
+    ledger.check_settled()
+    counts = ledger.counts()
+    assert counts["trained"] == sum(counts.values()) == 36 and summary.data_exhausted
+    assert all(ledger.ended(g) for g in in_flight_at_kill) and summary.totals["retried"] >= 1
