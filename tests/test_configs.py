@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import load_config
@@ -31,7 +32,13 @@ def mismatches(written, loaded, path: str = "") -> list[str]:
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_config_validates(path):
-    cls = SFTConfig if path.name.startswith("sft") else GRPOConfig
+    cls = (
+        SFTConfig
+        if path.name.startswith("sft")
+        else DemoConfig
+        if path.name.startswith("demo")
+        else GRPOConfig
+    )
     cfg = load_config(cls, path)
     written = yaml.safe_load(path.read_text())
     assert written, path
@@ -51,3 +58,18 @@ def test_readme_parallel_example_validates():
     ]
     cfg = load_config(GRPOConfig, CONFIGS / "grpo_qwen2.5_math_gpu.yaml", overrides)
     assert cfg.policy.dp_size == 4
+
+
+@pytest.mark.parametrize("name", ["demo_calculator", "demo_guess"])
+def test_environment_demo_configs_run_end_to_end(tmp_path, name):
+    """The environment demos of the README, shortened: SFT on demonstrations, then GRPO episodes."""
+    overrides = [
+        "sft.max_num_steps=3",
+        "grpo.grpo.max_num_steps=2",
+        "grpo.grpo.val_period=2",
+        "grpo.grpo.val_max_prompts=4",
+        f"output_dir={tmp_path}",
+    ]
+    res = run_demo(load_config(DemoConfig, CONFIGS / f"{name}.yaml", overrides))
+    assert 0.0 <= res["accuracy_after_sft"] <= 1.0 and 0.0 <= res["accuracy_after_grpo"] <= 1.0
+    assert (tmp_path / "grpo" / "curves.png").is_file()

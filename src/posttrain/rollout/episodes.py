@@ -125,6 +125,9 @@ def validate_env(
         "val/turns": sum(len(t.turns) for t in trajs) / len(trajs),
         "val/tool_calls": sum(t.num_tool_calls for t in trajs) / len(trajs),
     }
+    without = [t.solved() for t in trajs if t.num_tool_calls == 0]
+    if without and len(without) < len(trajs):  # tools were used: how far the model gets without them
+        out["val/accuracy_without_tools"] = sum(without) / len(without)
     if k > 1:
         out[f"val/pass@{k}"] = float(solved.any(dim=1).float().mean())
     return out
