@@ -316,3 +316,25 @@ def test_a_custom_environment_loads_by_path_and_plays(tmp_path):
     )
     with pytest.raises(ValueError, match="environment class .* has no attribute 'Nope'"):
         build_env(CustomEnvConfig(env_class=f"{code}:Nope", train_path=str(rows)))
+
+
+def test_the_readme_environment_example_plays(tmp_path):
+    """The README's "your own environment in 20 lines" runs as written."""
+    from pathlib import Path
+
+    from posttrain.envs.build import CustomEnvConfig
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = readme.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 20
+    (tmp_path / "my_env.py").write_text(code)
+    rows = tmp_path / "cities.jsonl"
+    rows.write_text('{"city": "Paris", "answer": "18"}\n{"city": "Oslo", "answer": "4"}\n')
+    spec = build_env(CustomEnvConfig(env_class=f"{tmp_path / 'my_env.py'}:Weather", train_path=str(rows)))
+    tok = build_chat_tokenizer()
+    lookup = '<tool_call>{"name": "lookup", "arguments": {"city": "Paris"}}</tool_call>' + END
+    traj = play(
+        ScriptedEngine(tok, lambda p, t: [lookup, "It is 18." + END][t]), spec, EnvSuite.sample(spec.train[0])
+    )
+    assert traj.reward == 1.0 and traj.num_tool_calls == 1 and traj.solved()
+    assert "<tool_response>18</tool_response>" in tok.decode(traj.token_ids, skip_special_tokens=False)
