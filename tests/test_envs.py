@@ -15,7 +15,7 @@ from posttrain.envs.base import Environment, EnvLimits, EnvReset, EnvSample, Env
 from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.calculator import CalculatorEnvConfig, calc
 from posttrain.envs.guess import GuessEnvConfig
-from posttrain.envs.tools import Tool, parse_hermes
+from posttrain.envs.tools import Tool, ToolEnvironment, parse_hermes
 from posttrain.generation.params import SamplingParams
 from posttrain.models.tokenizer import build_chat_tokenizer
 from posttrain.rollout.chat import ChatRenderer
@@ -338,3 +338,55 @@ def test_the_readme_environment_example_plays(tmp_path):
     )
     assert traj.reward == 1.0 and traj.num_tool_calls == 1 and traj.solved()
     assert "<tool_response>18</tool_response>" in tok.decode(traj.token_ids, skip_special_tokens=False)
+
+
+RELEASE = None  # set by the test below: the hanging tool's thread waits on it
+
+
+def hang(x: str) -> str:
+    """Blocks until the test releases it.
+
+    Args:
+        x: anything
+    """
+    RELEASE.wait()
+    return x
+
+
+class HangingTools(ToolEnvironment):
+    tools = [hang]
+
+    def reset(self):
+        return EnvReset([{"role": "user", "content": "go"}], self.tools)
+
+    def finish(self, reply):
+        return EnvStep(done=True, reward=1.0)
+
+
+def test_a_tool_that_never_returns_does_not_hold_up_the_step():
+    """The blocking path of the synchronous loop (asyncio.run per step) returns once the step times
+    out, although the tool's thread is still blocked."""
+    import threading
+
+    from posttrain.rollout.episodes import play_step
+    from posttrain.tasks.datasets import PromptItem
+
+    global RELEASE
+    RELEASE = threading.Event()
+    tok = build_chat_tokenizer()
+    spec = suite(HangingTools, step_timeout_s=0.2)
+    items = [PromptItem(0, "{}", [], {})]
+    engine = ScriptedEngine(
+        tok, lambda p, t: '<tool_call>{"name": "hang", "arguments": {"x": "a"}}</tool_call>' + END
+    )
+    box = []
+    worker = threading.Thread(
+        target=lambda: box.append(play_step(engine, tok, spec, items, 2, SAMPLING, 0)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=20)
+    try:
+        assert not worker.is_alive(), "the step waited for a tool that never returns"
+        assert all(t.failed and "timed out" in t.error for t in box[0])
+    finally:
+        RELEASE.set()

@@ -17,6 +17,7 @@ import asyncio
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,10 +64,40 @@ class Tool:
         return None
 
     async def acall(self, arguments: dict[str, Any]) -> Any:
-        """Run the tool (a plain function on a thread, so the event loop keeps serving other trajectories)."""
+        """Run the tool (a plain function on a daemon thread, so the event loop keeps serving other
+        trajectories, and a tool that never returns is abandoned at the step's timeout)."""
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(**arguments)
-        return await asyncio.to_thread(self.fn, **arguments)
+        return await daemon_call(self.fn, **arguments)
+
+
+def daemon_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
+    """`fn(*args, **kwargs)` on a daemon thread, as a future of the running loop. Unlike
+    `asyncio.to_thread` (the loop's executor, joined when `asyncio.run` ends), a call that never
+    returns leaves nothing to wait for: its timeout abandons it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not fut.done():
+            setter(value)
+
+    def hand_back(setter: Callable[[Any], None], value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, setter, value)
+        except RuntimeError:  # the loop closed while the call ran: it was abandoned, nobody waits
+            pass
+
+    def run() -> None:
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            hand_back(fut.set_exception, e)
+        else:
+            hand_back(fut.set_result, value)
+
+    threading.Thread(target=run, daemon=True, name=f"env-{getattr(fn, '__name__', 'call')}").start()
+    return fut
 
 
 def as_tools(tools: list[Any]) -> list[Tool]:

@@ -10,8 +10,8 @@ trainer then trains exactly the sampled ids with the engine's logprobs: the traj
 Limits (`EnvLimits`): a trajectory past `max_turns` replies or `max_tokens` tokens is cut (finish
 reason "length", reward `truncated_reward`); an environment call that raises or runs past
 `step_timeout_s` fails the trajectory: it is counted and excluded from advantages, never rewarded 0.
-A plain (non-async) environment method runs on a daemon thread, so one that never returns cannot
-hold up the step or the interpreter's exit.
+A plain (non-async) environment method runs on a daemon thread (as plain tools do), so one that never
+returns cannot hold up the step, the event loop's shutdown or the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import asyncio
 import inspect
 import itertools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.envs.base import AssistantMessage, EnvReset, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite
-from posttrain.envs.tools import as_tools
+from posttrain.envs.tools import as_tools, daemon_call
 from posttrain.generation.params import GenerationResult, SamplingParams
 from posttrain.generation.sampler import derive_seed
 from posttrain.logging import get_logger
@@ -93,33 +92,12 @@ class EnvFailure(RuntimeError):
     """The environment raised or timed out: the trajectory is failed (never rewarded 0)."""
 
 
-def _daemon_call(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """`fn(*args)` on a daemon thread, as a future of the running loop."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(setter: Callable[[Any], None], value: Any) -> None:
-        if not fut.done():
-            setter(value)
-
-    def run() -> None:
-        try:
-            value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, fut.set_exception, e)
-        else:
-            loop.call_soon_threadsafe(settle, fut.set_result, value)
-
-    threading.Thread(target=run, daemon=True, name=f"env-{getattr(fn, '__name__', 'call')}").start()
-    return fut
-
-
 async def env_call(fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
     """Call an environment method (plain or async) within `timeout` seconds; EnvFailure otherwise."""
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(*args), timeout)
-        result = await asyncio.wait_for(_daemon_call(fn, *args), timeout)
+        result = await asyncio.wait_for(daemon_call(fn, *args), timeout)
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(result, timeout)
         return result
