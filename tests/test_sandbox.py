@@ -15,6 +15,7 @@ import pytest
 
 from posttrain.envs import sandbox
 from posttrain.envs.base import AssistantMessage, EnvLimits, EnvStep
+from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.code import (
     CodeEnvConfig,
     CodeEnvironment,
@@ -347,3 +348,11 @@ def test_config_errors_say_how_to_fix_them():
         CodeEnvConfig(max_attempts=3, limits=EnvLimits(max_turns=2))
     with pytest.raises(ValueError, match="raise step_timeout_s or lower wall_timeout_s"):
         CodeEnvConfig(sandbox=SandboxConfig(wall_timeout_s=30), limits=EnvLimits(step_timeout_s=10))
+
+
+def test_build_env_makes_the_code_suite():
+    suite = build_env(code_cfg())
+    assert suite.name == "code" and suite.eval is not None and len(suite.train) == 32
+    sample = EnvSuite.sample(suite.train[0])
+    env = suite.make_env(sample)
+    assert isinstance(env, CodeEnvironment) and suite.demonstration(sample)[-1]["role"] == "assistant"
