@@ -22,7 +22,9 @@ from posttrain.envs.calculator import (
     calculator_demonstration,
     calculator_samples,
 )
+from posttrain.envs.code import CodeEnvConfig, CodeEnvironment, code_demonstration, code_samples
 from posttrain.envs.guess import GuessEnvConfig, GuessEnvironment, guess_demonstration, guess_samples
+from posttrain.envs.sandbox import check_sandbox
 from posttrain.envs.tools import load_parser
 from posttrain.tasks.datasets import PromptDataset, PromptItem, load_rows
 from posttrain.tasks.rewards import load_callable
@@ -47,6 +49,7 @@ def _env_kind(value: Any) -> str | None:
 EnvConfig = Annotated[
     Annotated[CalculatorEnvConfig, Tag("calculator")]
     | Annotated[GuessEnvConfig, Tag("guess")]
+    | Annotated[CodeEnvConfig, Tag("code")]
     | Annotated[CustomEnvConfig, Tag("custom")],
     Discriminator(_env_kind),
 ]
@@ -90,8 +93,9 @@ def _rows(path: str) -> list[EnvSample]:
     return [EnvSample(i, dict(r)) for i, r in enumerate(rows)]
 
 
-def build_env(cfg: CalculatorEnvConfig | GuessEnvConfig | CustomEnvConfig) -> EnvSuite:
-    """Build the environment `cfg` describes (samples, factory, limits, parser)."""
+def build_env(cfg: CalculatorEnvConfig | GuessEnvConfig | CodeEnvConfig | CustomEnvConfig) -> EnvSuite:
+    """Build the environment `cfg` describes (samples, factory, limits, parser). The code environment
+    checks here that the platform can run its sandbox (SandboxUnavailableError with the fix otherwise)."""
     demo = None
     if isinstance(cfg, CalculatorEnvConfig):
         train, held = calculator_samples(cfg)
@@ -100,6 +104,10 @@ def build_env(cfg: CalculatorEnvConfig | GuessEnvConfig | CustomEnvConfig) -> En
         train, held = guess_samples(cfg)
         make = partial(GuessEnvironment, max_turns=cfg.limits.max_turns)
         demo = partial(guess_demonstration, cfg=cfg)
+    elif isinstance(cfg, CodeEnvConfig):
+        check_sandbox(cfg.sandbox)
+        train, held = code_samples(cfg)
+        make, demo = partial(CodeEnvironment, cfg=cfg), partial(code_demonstration, cfg=cfg)
     elif isinstance(cfg, CustomEnvConfig):
         make = load_callable(cfg.env_class, "environment class", "a class constructed as Class(sample)")
         train, held = _rows(cfg.train_path), _rows(cfg.eval_path) if cfg.eval_path else []
