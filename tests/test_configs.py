@@ -60,7 +60,7 @@ def test_readme_parallel_example_validates():
     assert cfg.policy.dp_size == 4
 
 
-@pytest.mark.parametrize("name", ["demo_calculator", "demo_guess"])
+@pytest.mark.parametrize("name", ["demo_calculator", "demo_guess", "demo_code"])
 def test_environment_demo_configs_run_end_to_end(tmp_path, name):
     """The environment demos of the README, shortened: SFT on demonstrations, then GRPO episodes."""
     overrides = [
