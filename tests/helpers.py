@@ -116,3 +116,24 @@ def sync_config_like(cfg: AsyncGRPORunConfig, loss=None) -> GRPOConfig:
         logging=cfg.logging,
         output_dir=cfg.output_dir,
     )
+
+
+def actor_killer(ray, in_flight_at_kill: list[int]):
+    """An on-step hook for the asynchronous run: after step 1, wait until Ray rollout actor 0 is
+    generating at the new weights (requests sent before them may be about to return: weights go out
+    while they finish), then kill it with its groups in flight (their ids go to `in_flight_at_kill`)."""
+    import asyncio
+
+    async def kill_busy_actor(r, step, metrics):
+        if step != 1:
+            return
+        pool = r.controller.pool
+        slot = pool.slots[0]
+        for _ in range(2000):
+            if slot.in_flight and slot.version == pool.published_version:
+                break
+            await asyncio.sleep(0.005)
+        in_flight_at_kill.extend(slot.in_flight)
+        ray.kill(r.actors[0])
+
+    return kill_busy_actor

@@ -247,7 +247,8 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(doubles_by_value):
         ray.kill(actors[0])
 
     ctrl = AsyncGRPOController(
-        cfg(target_prompt_groups_per_step=3, max_staleness=8, max_in_flight_per_worker=2),
+        # max_retries=3: prompt 5 may be lost with r0, then fail once on r1 and once on r2 (4 attempts)
+        cfg(target_prompt_groups_per_step=3, max_staleness=8, max_in_flight_per_worker=2, max_retries=3),
         fake_dataset(18),
         workers,
         trainer,

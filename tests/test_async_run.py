@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import actor_killer, sync_config_like
 from helpers import small_async_grpo_cfg as small_cfg
-from helpers import sync_config_like
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.run import (
@@ -591,20 +591,7 @@ def test_killing_a_rollout_actor_loses_no_sample(tmp_path, ray_session):
 
     run.controller.prepare_group = recording_prepare
 
-    async def kill_busy_actor(r, step, metrics):
-        """After step 1, wait until actor 0 is generating at the new weights (requests sent before them
-        may be about to return: weights go out while they finish), then kill it with its groups in
-        flight."""
-        if step != 1:
-            return
-        pool = r.controller.pool
-        slot = pool.slots[0]
-        for _ in range(2000):
-            if slot.in_flight and slot.version == pool.published_version:
-                break
-            await asyncio.sleep(0.005)
-        in_flight_at_kill.extend(slot.in_flight)
-        ray.kill(r.actors[0])
+    kill_busy_actor = actor_killer(ray, in_flight_at_kill)
 
     log = MetricsLogger(tmp_path)
     try:

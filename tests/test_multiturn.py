@@ -142,7 +142,7 @@ def test_async_grpo_plays_an_environment_checkpoints_and_resumes(tmp_path):
 def test_killing_a_rollout_actor_mid_trajectory_loses_no_sample(tmp_path, ray_session):
     """Ray rollout actors playing episodes: one is killed while its trajectories are in flight; its
     groups are played again elsewhere and every sample is trained exactly once."""
-    from helpers import small_async_grpo_cfg
+    from helpers import actor_killer, small_async_grpo_cfg
     from posttrain.algorithms.async_grpo.run import close, setup, train
     from posttrain.logging import MetricsLogger
 
@@ -167,17 +167,7 @@ def test_killing_a_rollout_actor_mid_trajectory_loses_no_sample(tmp_path, ray_se
     run = setup(cfg)
     in_flight_at_kill: list[int] = []
 
-    async def kill_busy_actor(r, step, metrics):
-        if step != 1:
-            return
-        pool = r.controller.pool
-        slot = pool.slots[0]
-        for _ in range(2000):
-            if slot.in_flight and slot.version == pool.published_version:
-                break
-            await asyncio.sleep(0.005)
-        in_flight_at_kill.extend(slot.in_flight)
-        ray.kill(r.actors[0])
+    kill_busy_actor = actor_killer(ray, in_flight_at_kill)
 
     log = MetricsLogger(tmp_path)
     try:
