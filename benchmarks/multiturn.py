@@ -436,8 +436,10 @@ def train_posttrain(s: TrlSetting, init: Path, out: Path, seed: int, gate, promp
     grpo.grpo_step = gated_step
     grpo.run_grpo(cfg, Policy(cfg.policy))
     records = [r for r in read_metrics(out / "metrics.jsonl") if "step_time_s" in r]
+    phases = sorted({k for r in records for k in r if k.startswith("timing/")})
     return {
         "step_times": times,
+        "phases": {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases},
         "reward": mean([r["reward"] for r in records]),
         "tool_calls": mean([r["env/tool_calls"] for r in records]),
         "sampled": mean([r["env/sampled_tokens"] for r in records]),
@@ -546,6 +548,7 @@ def train_trl(s: TrlSetting, init: Path, out: Path, seed: int, gate, prompt_len:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
         "step_times": timer.times,
+        "phases": {},
         "reward": mean([h["reward"] for h in logs]),
         "tool_calls": mean([h["tools/call_frequency"] for h in logs]),
         "sampled": mean([h["completions/mean_length"] for h in logs]),  # tool results not counted
@@ -589,6 +592,7 @@ def vs_trl(s: TrlSetting, workdir: str | None) -> float | None:
     if blocker:
         print(f"TRL cannot run the calculator environment on tiny-chat: {blocker}")
         return None
+    torch.set_num_threads(1)  # the warm start too: one thread per process, as both sides
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(workdir or tmp)
@@ -605,6 +609,7 @@ def vs_trl(s: TrlSetting, workdir: str | None) -> float | None:
                     f"{side:9s} seed={seed} median_step={median(r['step_times'][1:]):.3f}s "
                     f"means over steps: reward={r['reward']:.2f} tool_calls/episode={r['tool_calls']:.2f} "
                     f"sampled tokens/episode={r['sampled']:.1f}"
+                    + "".join(f" {k}={v:.3f}" for k, v in r["phases"].items())
                 )
     ours, trl = median(times["posttrain"]), median(times["trl"])
     print(
