@@ -82,7 +82,7 @@ SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 2048,
 }
-STOP_CHARS = "aeiost"  # common characters that end an untrained model's turn (about 1 in 17 tokens)
+STOP_CHARS = "aeiost"  # with the end-of-turn token: an untrained model ends a turn after ~15 tokens
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
 
 
@@ -144,6 +144,8 @@ def four_turn_suite(s: Setting) -> tuple[EnvSuite, list[PromptItem]]:
 
 @dataclasses.dataclass
 class Run:
+    """One rollout run: its wall time, its trajectories and the engine counters it moved."""
+
     seconds: float
     trajs: list[Trajectory]
     prefill: int  # tokens the engine ran through prefill forwards during the run
