@@ -7,6 +7,7 @@ own 900 s bounds); nothing here asserts on wall-clock time.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import subprocess
@@ -43,6 +44,33 @@ def test_vs_trl_without_trl_names_it_before_running_anything(tmp_path):
     assert "needs trl (ImportError: trl is blocked by this test)" in proc.stderr, proc.stderr
     assert 'pip install -e ".[bench]"' in proc.stderr
     assert "warm start" not in proc.stdout  # checked up front, before the SFT warm start
+
+
+def test_multiturn_without_trl_names_it_before_running_anything(tmp_path):
+    blocked = tmp_path / "blocked"
+    (blocked / "trl").mkdir(parents=True)
+    (blocked / "trl" / "__init__.py").write_text("raise ImportError('trl is blocked by this test')\n")
+    proc = _run(["benchmarks/multiturn.py", "--quick"], {}, [blocked])
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "needs trl (ImportError: trl is blocked by this test)" in proc.stderr, proc.stderr
+    assert "model:" not in proc.stdout  # checked up front, before the KV-reuse runs
+
+
+def test_multiturn_environment_has_exactly_four_turns_and_reuse_prefills_less():
+    import multiturn
+
+    from posttrain.envs.base import AssistantMessage, EnvSample
+
+    env = multiturn.FourTurns(EnvSample(3, {"opening": 40, "observation": 12}))
+    assert len(env.reset()[0]["content"]) == 40
+    steps = [env.step(AssistantMessage("x")) for _ in range(multiturn.TURNS)]
+    assert [st.done for st in steps] == [False] * (multiturn.TURNS - 1) + [True]
+    assert all(len(st.messages[0]["content"]) == 12 for st in steps[:-1])
+    tiny = dataclasses.replace(multiturn.QUICK, samples=1, generations=2, opening=32, observation=8, rounds=1)
+    runs, identical = multiturn.play_rounds(tiny)
+    reuse, whole = runs[True][0], runs[False][0]
+    assert identical and reuse.tokens == whole.tokens > 0
+    assert reuse.reused > 0 and whole.reused == 0 and reuse.prefill < whole.prefill
 
 
 @pytest.mark.distributed
