@@ -326,7 +326,7 @@ def test_the_readme_environment_example_plays(tmp_path):
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     code = readme.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 20
+    assert len([line for line in code.splitlines() if line.strip()]) <= 20
     (tmp_path / "my_env.py").write_text(code)
     rows = tmp_path / "cities.jsonl"
     rows.write_text('{"city": "Paris", "answer": "18"}\n{"city": "Oslo", "answer": "4"}\n')

@@ -206,8 +206,7 @@ class ToolEnvironment(Environment):
     async def step(self, message: AssistantMessage) -> EnvStep:
         if not message.tool_calls:
             result = self.finish(message)
-            result.info.setdefault("tool_calls", float(self.num_tool_calls))
-            result.info.setdefault("tool_errors", float(self.num_tool_errors))
+            result.info.setdefault("tool_errors", float(self.num_tool_errors))  # calls: env/tool_calls
             return result
         messages, errors = await run_tool_calls(message.tool_calls, self._tools)
         self.num_tool_calls += len(message.tool_calls)

@@ -90,9 +90,9 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "reward_failed": float(len(trajs) - len(ok)),
     }
     keys = sorted({k for t in ok for k in t.info if not k.startswith("turn_reward_")})
-    for k in keys:
+    for k in keys:  # the environment's own metrics, where they do not shadow the ones above
         values = [t.info[k] for t in ok if k in t.info]
-        out[f"env/{k}"] = sum(values) / len(values)
+        out.setdefault(f"env/{k}", sum(values) / len(values))
     return out
 
 
