@@ -385,63 +385,16 @@ def calc_prompt_ids(tok) -> list[list[int]]:
 
 
 def train_posttrain(s: TrlSetting, init: Path, out: Path, seed: int, gate, prompt_len: int) -> dict:
-    """run_grpo on the calculator environment from `init`, each step gated by `gate`."""
-    from posttrain.algorithms import grpo
-    from posttrain.logging import read_metrics
-    from posttrain.policy.policy import Policy
+    """run_grpo on the calculator environment from `init`, each step gated by `gate` (vs_trl.py's
+    posttrain side, with `env:` in place of its task)."""
+    from vs_trl import posttrain_config, run_gated
 
-    n = s.samples_per_step
-    cfg = grpo.GRPOConfig.model_validate(
-        {
-            "policy": {
-                "model": {"name": str(init)},
-                "train_global_batch_size": n,
-                "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
-                "optimizer": {"lr": s.lr},
-                "max_grad_norm": s.max_grad_norm,
-                "logprob_temperature": s.temperature,
-                "init_reference_model": False,
-            },
-            "env": calc_env_config(s, prompt_len),
-            "generation": {"max_num_seqs": n},
-            "sampling": {"max_new_tokens": s.max_completion, "temperature": s.temperature},
-            "loss": {
-                "ratio_clip_min": s.clip_eps,
-                "ratio_clip_max": s.clip_eps,
-                "reference_policy_kl_penalty": 0.0,
-            },
-            "grpo": {
-                "num_prompts_per_step": s.prompts_per_step,
-                "num_generations_per_prompt": s.generations,
-                "max_num_steps": s.steps,
-                "val_period": 0,
-                "val_at_start": False,
-                "seed": seed,
-            },
-            "checkpointing": {"enabled": False, "resume": "never"},
-            "logging": {"progress_bar": False},
-            "output_dir": str(out),
-        }
-    )
-    times: list[float] = []
-    inner = grpo.grpo_step
-
-    def gated_step(run):  # run_grpo looks grpo_step up in its module on every step
-        gate.begin()
-        t0 = time.perf_counter()
-        try:
-            return inner(run)
-        finally:
-            times.append(time.perf_counter() - t0)
-            gate.end()
-
-    grpo.grpo_step = gated_step
-    grpo.run_grpo(cfg, Policy(cfg.policy))
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "step_time_s" in r]
-    phases = sorted({k for r in records for k in r if k.startswith("timing/")})
+    source = {"env": calc_env_config(s, prompt_len)}
+    cfg = posttrain_config(s, init, out, seed, source, s.max_completion)
+    times, _, records, phases = run_gated(cfg, gate)
     return {
         "step_times": times,
-        "phases": {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases},
+        "phases": phases,
         "reward": mean([r["reward"] for r in records]),
         "tool_calls": mean([r["env/tool_calls"] for r in records]),
         "sampled": mean([r["env/sampled_tokens"] for r in records]),

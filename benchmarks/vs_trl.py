@@ -147,14 +147,13 @@ def warm_start(s: Setting, out: Path) -> Path:
 # --------------------------------------------------------------------------- the two sides
 
 
-def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
-    """run_grpo from `init` (each step gated by `gate`); saves the final model to `<out>/final`."""
+def posttrain_config(s, init: Path, out: Path, seed: int, source: dict, max_new_tokens: int):
+    """The posttrain side's GRPOConfig for setting `s` from `init`; `source` is the `task:` or `env:`
+    section (this benchmark and benchmarks/multiturn.py share it)."""
     from posttrain.algorithms import grpo
-    from posttrain.logging import read_metrics
-    from posttrain.policy.policy import Policy
 
     n = s.samples_per_step
-    cfg = grpo.GRPOConfig.model_validate(
+    return grpo.GRPOConfig.model_validate(
         {
             "policy": {
                 "model": {"name": str(init)},
@@ -165,9 +164,9 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep
                 "logprob_temperature": s.temperature,
                 "init_reference_model": False,
             },
-            "task": TASK,
+            **source,
             "generation": {"max_num_seqs": n},
-            "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature},
+            "sampling": {"max_new_tokens": max_new_tokens, "temperature": s.temperature},
             "loss": {
                 "ratio_clip_min": s.clip_eps,
                 "ratio_clip_max": s.clip_eps,
@@ -186,6 +185,15 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep
             "output_dir": str(out),
         }
     )
+
+
+def run_gated(cfg, gate: Lockstep):
+    """run_grpo on its own policy, each step gated by `gate`; returns (step seconds, policy,
+    metrics records with a step time, median seconds per phase)."""
+    from posttrain.algorithms import grpo
+    from posttrain.logging import read_metrics
+    from posttrain.policy.policy import Policy
+
     times: list[float] = []
     inner = grpo.grpo_step
 
@@ -201,13 +209,20 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep
     grpo.grpo_step = gated_step
     policy = Policy(cfg.policy)
     grpo.run_grpo(cfg, policy)
+    records = [r for r in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if "step_time_s" in r]
+    phases = sorted({k for r in records for k in r if k.startswith("timing/")})
+    return times, policy, records, {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases}
+
+
+def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
+    """run_grpo from `init` (each step gated by `gate`); saves the final model to `<out>/final`."""
+    cfg = posttrain_config(s, init, out, seed, {"task": TASK}, s.max_new_tokens)
+    times, policy, records, phases = run_gated(cfg, gate)
     policy.prepare_for_lp_inference()
     policy.save_hf(str(out / "final"))
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "step_time_s" in r]
-    phases = sorted({k for r in records for k in r if k.startswith("timing/")})
     return {
         "step_times": times,
-        "phases": {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases},
+        "phases": phases,
         "rewards": [r.get("reward", float("nan")) for r in records],
     }
 
