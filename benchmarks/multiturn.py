@@ -404,8 +404,8 @@ def train_posttrain(s: TrlSetting, init: Path, out: Path, seed: int, gate, promp
 def train_trl(s: TrlSetting, init: Path, out: Path, seed: int, gate, prompt_len: int) -> dict:
     """TRL GRPOTrainer(tools=[calc]) from `init` on CPU, the same settings (vs_trl.py's mapping)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, PrinterCallback
+    from trl import GRPOTrainer
 
     from posttrain.envs.build import build_env
     from posttrain.envs.calculator import CalculatorEnvConfig, calc, read_answer
@@ -438,57 +438,13 @@ def train_trl(s: TrlSetting, init: Path, out: Path, seed: int, gate, prompt_len:
             out.append(float(final and read_answer(last.get("content") or "") == str(want)))
         return out
 
-    class GatedStepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.t0 = 0.0
+    from vs_trl import gated_timer, trl_args
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            gate.begin()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.t0)
-            gate.end()
-
-    args = GRPOConfig(
-        output_dir=str(out / "trl"),
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        seed=seed,
-        max_steps=s.steps,
-        per_device_train_batch_size=s.samples_per_step,
-        gradient_accumulation_steps=1,
-        num_generations=s.generations,
-        num_iterations=1,
-        max_completion_length=s.max_completion,
-        max_tool_calling_iterations=s.max_turns - 1,
-        temperature=s.temperature,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=s.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=s.max_grad_norm,
-        optim="adamw_torch",
-        beta=0.0,
-        epsilon=s.clip_eps,
-        loss_type="dapo",
-        scale_rewards="group",
-        mask_truncated_completions=False,
-        gradient_checkpointing=False,
-        use_vllm=False,
-    )
+    args = trl_args(s, out, seed, s.max_completion, max_tool_calling_iterations=s.max_turns - 1)
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa")
     # a turn ends at <|im_end|> (posttrain stops there and at EOS; TRL stops at these ids)
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(END_OF_TURN), tok.eos_token_id]
-    timer = GatedStepTimer()
+    timer = gated_timer(gate)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=calculator_reward,

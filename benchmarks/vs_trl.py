@@ -227,24 +227,9 @@ def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep
     }
 
 
-def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
-    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring); final model to `<out>/final`."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(init)
-    task = _task(tokenizer)
-    # TRL tokenizes the prompt text as is; posttrain prepends BOS to the ids, so the text carries it:
-    # both sides see exactly the same prompt token ids (checked).
-    by_text = {tokenizer.bos_token + it.prompt: it for it in task.train.items}
-    assert all(tokenizer(t)["input_ids"] == list(it.prompt_token_ids) for t, it in by_text.items())
-
-    def arithmetic_reward(prompts, completions, **_):
-        items = [by_text[p] for p in prompts]
-        res = task.reward([it.prompt for it in items], completions, [it.metadata for it in items])
-        return [None if f else r for r, f in zip(res.rewards, res.failed)]
+def gated_timer(gate: Lockstep):
+    """A TRL callback that gates every step by `gate` and records its seconds (`.times`)."""
+    from transformers import TrainerCallback
 
     class GatedStepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -259,7 +244,15 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> d
             self.times.append(time.perf_counter() - self.t0)
             gate.end()
 
-    args = GRPOConfig(
+    return GatedStepTimer()
+
+
+def trl_args(s, out: Path, seed: int, max_completion_length: int, **extra):
+    """TRL's GRPOConfig matching posttrain_config (the mapping of the module docstring); `extra`
+    adds or overrides fields (e.g. max_tool_calling_iterations)."""
+    from trl import GRPOConfig
+
+    fields = dict(
         output_dir=str(out / "trl"),
         use_cpu=True,
         bf16=False,
@@ -274,7 +267,7 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> d
         gradient_accumulation_steps=1,
         num_generations=s.generations,
         num_iterations=1,
-        max_completion_length=s.max_new_tokens,
+        max_completion_length=max_completion_length,
         temperature=s.temperature,
         top_p=1.0,
         top_k=0,
@@ -292,8 +285,31 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> d
         gradient_checkpointing=False,
         use_vllm=False,
     )
+    return GRPOConfig(**{**fields, **extra})
+
+
+def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
+    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring); final model to `<out>/final`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from trl import GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    task = _task(tokenizer)
+    # TRL tokenizes the prompt text as is; posttrain prepends BOS to the ids, so the text carries it:
+    # both sides see exactly the same prompt token ids (checked).
+    by_text = {tokenizer.bos_token + it.prompt: it for it in task.train.items}
+    assert all(tokenizer(t)["input_ids"] == list(it.prompt_token_ids) for t, it in by_text.items())
+
+    def arithmetic_reward(prompts, completions, **_):
+        items = [by_text[p] for p in prompts]
+        res = task.reward([it.prompt for it in items], completions, [it.metadata for it in items])
+        return [None if f else r for r, f in zip(res.rewards, res.failed)]
+
+    args = trl_args(s, out, seed, s.max_new_tokens)
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa")
-    timer = GatedStepTimer()
+    timer = gated_timer(gate)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=arithmetic_reward,
