@@ -342,26 +342,10 @@ def trl_blocker() -> str | None:
 def calc_warm_start(s: TrlSetting, out: Path) -> Path:
     """posttrain SFT of the tiny-chat model on the calculator's demonstrations; both sides start from
     `<out>/hf` (model, tokenizer and chat template)."""
-    from posttrain.algorithms.sft import SFTConfig, run_sft
+    from vs_trl import warm_start
 
-    cfg = SFTConfig.model_validate(
-        {
-            "policy": {
-                "model": {"name": "tiny", "tokenizer": "tiny-chat", "tiny": CHAT_TINY},
-                "train_global_batch_size": s.sft_batch,
-                "microbatch": {"train_micro_batch_size": s.sft_batch},
-                "optimizer": {"lr": s.sft_lr},
-                "init_reference_model": False,
-            },
-            "env": CALC_ENV,
-            "max_num_steps": s.sft_steps,
-            "val_period": 0,
-            "output_dir": str(out),
-            "logging": {"progress_bar": False},
-        }
-    )
-    run_sft(cfg)
-    return out / "hf"
+    model = {"name": "tiny", "tokenizer": "tiny-chat", "tiny": CHAT_TINY}
+    return warm_start(s, out, model, {"env": CALC_ENV})
 
 
 def calc_env_config(s: TrlSetting, prompt_len: int) -> dict:

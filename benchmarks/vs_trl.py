@@ -120,20 +120,21 @@ class Lockstep:
 # --------------------------------------------------------------------------- warm start
 
 
-def warm_start(s: Setting, out: Path) -> Path:
-    """posttrain SFT of the tiny model on arithmetic; both sides start from `<out>/hf`."""
+def warm_start(s: Setting, out: Path, model: dict | None = None, source: dict | None = None) -> Path:
+    """posttrain SFT of the tiny model (`model`, default: the tiny char model) on arithmetic (or on
+    `source`, a `task:` or `env:` section); both sides start from `<out>/hf`."""
     from posttrain.algorithms.sft import SFTConfig, run_sft
 
     cfg = SFTConfig.model_validate(
         {
             "policy": {
-                "model": {"name": "tiny", "tiny": TINY},
+                "model": model or {"name": "tiny", "tiny": TINY},
                 "train_global_batch_size": s.sft_batch,
                 "microbatch": {"train_micro_batch_size": s.sft_batch},
                 "optimizer": {"lr": s.sft_lr},
                 "init_reference_model": False,
             },
-            "task": TASK,
+            **(source or {"task": TASK}),
             "max_num_steps": s.sft_steps,
             "val_period": 0,
             "output_dir": str(out),

@@ -62,9 +62,6 @@ RESUME_KEYS = ("grpo", "sampling", "task", "env", "loss")
 RESUME_MAY_CHANGE = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start")
 
 
-CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
-
-
 @dataclass
 class Rollouts:
     """One step's samples: prompts x generations, flattened in group order."""
@@ -130,7 +127,7 @@ def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
     finally:
         progress.close()
         metrics_log.close()
-    plot_metrics(metrics_log.path, run.out / "curves.png", CURVES)
+    plot_metrics(metrics_log.path, run.out / "curves.png", episodes.CURVES)
     return last
 
 
@@ -271,9 +268,7 @@ def generate(run: Run) -> Rollouts:
         / max(len(kept_results), 1),
         "timing/reward_s": t_reward,
     }
-    for key in sorted({k for s in summaries for k in s if k.startswith("env/")}):  # episodes: mean of draws
-        values = [s[key] for s in summaries if key in s]
-        metrics[key] = sum(values) / len(values)
+    metrics.update(episodes.mean_episode_metrics(summaries))  # environments: the draws' mean
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 

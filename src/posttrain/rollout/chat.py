@@ -18,6 +18,7 @@ from posttrain.envs.base import Message
 
 _PROBE_USER = {"role": "user", "content": "u"}
 _PROBE_REPLY = "\x07\x07"  # no real reply looks like this
+_PROBE = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]  # the dummy exchange
 
 
 class ChatRenderer:
@@ -35,6 +36,7 @@ class ChatRenderer:
             )
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self._probe = self._text(_PROBE, False)
         self.end_of_turn, self._closing_at = self._find_end_of_turn()
 
     def _text(self, messages: list[Message], generation_prompt: bool) -> str:
@@ -47,8 +49,7 @@ class ChatRenderer:
 
     def _find_end_of_turn(self) -> tuple[int, int]:
         """The id closing an assistant turn, and where the dummy exchange's text ends after it."""
-        probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
-        text = self._text(probe, False)
+        text = self._probe
         at = text.rfind(_PROBE_REPLY)
         if at < 0:
             raise ValueError("the chat template does not render assistant messages' content; cannot use it")
@@ -112,8 +113,7 @@ class ChatRenderer:
         past the token closing the reply up to the next generation prompt included."""
         if not messages:
             raise ValueError("an environment step returned no messages and did not end the episode")
-        probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
-        text = self._text(probe + list(messages), True)
-        if not text.startswith(self._text(probe, False)[: self._closing_at]):
+        text = self._text(_PROBE + list(messages), True)
+        if not text.startswith(self._probe[: self._closing_at]):
             raise ValueError("the chat template renders the same exchange differently when more follows")
         return self._ids(text[self._closing_at :])

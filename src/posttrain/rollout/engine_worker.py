@@ -165,7 +165,7 @@ class EngineRolloutWorker(RolloutWorker):
             prompts,
             g,
             self.cfg.sampling,
-            lambda i: group_seed(seed, prompts[i].prompt_id, weight_version),
+            lambda i: (group_seed(seed, prompts[i].prompt_id, weight_version), 0),
         )
         seconds = time.perf_counter() - t0
         out = []

@@ -22,7 +22,7 @@ from posttrain.generation.params import SamplingParams
 from posttrain.rollout.chat import ChatRenderer
 from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.groups import validation_seed
-from posttrain.rollout.trajectory import Trajectory, opening, run_group, run_trajectory
+from posttrain.rollout.trajectory import Trajectory, env_call, opening, run_group, run_trajectory
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import SFTExample
 
@@ -34,11 +34,11 @@ async def play_groups(
     items: list[PromptItem],
     group_size: int,
     sampling: SamplingParams,
-    seed_of: Callable[[int], int],
+    seed_of: Callable[[int], tuple[int, int]],
 ) -> list[list[Trajectory]]:
-    """The groups of `items`, all played concurrently; group i is seeded `seed_of(i)`."""
+    """The groups of `items`, all played concurrently; `seed_of(i)` is group i's (seed, first stream)."""
     groups = [
-        run_group(engine, tokenizer, suite, suite.sample(it), group_size, sampling, seed_of(i))
+        run_group(engine, tokenizer, suite, suite.sample(it), group_size, sampling, *seed_of(i))
         for i, it in enumerate(items)
     ]
     return list(await asyncio.gather(*groups))
@@ -55,16 +55,10 @@ def play_step(
 ) -> list[Trajectory]:
     """The synchronous loop's groups of one step, flattened in group order (blocking); trajectory k
     of sample i draws from stream i * G + k of `seed`, as single-turn samples do."""
-
-    async def play() -> list[Trajectory]:
-        runs = [
-            run_trajectory(engine, tokenizer, suite, suite.sample(it), sampling, seed, i * group_size + k)
-            for i, it in enumerate(items)
-            for k in range(group_size)
-        ]
-        return list(await asyncio.gather(*runs))
-
-    return asyncio.run(play())
+    play = play_groups(
+        engine, tokenizer, suite, items, group_size, sampling, lambda i: (seed, i * group_size)
+    )
+    return [t for group in asyncio.run(play) for t in group]
 
 
 def trajectory_rewards(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -93,6 +87,18 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     for k in keys:  # the environment's own metrics, where they do not shadow the ones above
         values = [t.info[k] for t in ok if k in t.info]
         out.setdefault(f"env/{k}", sum(values) / len(values))
+    return out
+
+
+CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
+
+
+def mean_episode_metrics(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """The `env/` metrics of several draws or groups, averaged (each over the summaries that have it)."""
+    out = {}
+    for key in sorted({k for s in summaries for k in s if k.startswith("env/")}):
+        values = [s[key] for s in summaries if key in s]
+        out[key] = sum(values) / len(values)
     return out
 
 
@@ -133,6 +139,22 @@ def validate_env(
     return out
 
 
+async def _openings(suite: EnvSuite, items: list[PromptItem]) -> list[tuple[list[dict], list[dict]]]:
+    """The opening messages and tool schemas of each item's environment (reset, then closed; one at
+    a time: a plain reset runs on a thread of its own)."""
+    out, timeout = [], suite.limits.step_timeout_s
+    for it in items:
+        env = suite.make_env(suite.sample(it))
+        try:
+            out.append(
+                opening(await env_call(env.reset, timeout=timeout, what="reset()"), suite.system_prompt)
+            )
+        finally:
+            if hasattr(env, "close"):
+                await env_call(env.close, timeout=timeout, what="close()")
+    return out
+
+
 def demonstration_examples(suite: EnvSuite, tokenizer: Any, items: list[PromptItem]) -> list[SFTExample]:
     """Supervised warm-start examples from the environment's ideal episodes: each conversation built
     token for token as a trajectory is, trained on the assistant's tokens only."""
@@ -141,15 +163,10 @@ def demonstration_examples(suite: EnvSuite, tokenizer: Any, items: list[PromptIt
             f"environment {suite.name!r} has no demonstrations for a supervised warm start; "
             "start RL from a model that already follows its format"
         )
+    openings = asyncio.run(_openings(suite, items))
     out = []
-    for it in items:
-        sample = suite.sample(it)
-        env = suite.make_env(sample)
-        reset = env.reset()
-        if asyncio.iscoroutine(reset):
-            reset = asyncio.run(reset)
-        messages, tools = opening(reset, suite.system_prompt)
-        demo = suite.demonstration(sample)
+    for it, (messages, tools) in zip(items, openings):
+        demo = suite.demonstration(suite.sample(it))
         if suite.system_prompt and demo[0]["role"] != "system":
             demo = [messages[0], *demo]
         prompt, rest, mask = ChatRenderer(tokenizer, tools).conversation(demo)

@@ -235,11 +235,12 @@ async def run_group(
     group_size: int,
     sampling: SamplingParams,
     seed: int,
+    first_stream: int = 0,
 ) -> list[Trajectory]:
     """`group_size` trajectories of one sample, played concurrently (they share the engine's batch);
-    trajectory k draws from stream k."""
-    return list(
-        await asyncio.gather(
-            *(run_trajectory(engine, tokenizer, spec, sample, sampling, seed, k) for k in range(group_size))
-        )
+    trajectory k draws from stream `first_stream + k` of `seed`."""
+    runs = (
+        run_trajectory(engine, tokenizer, spec, sample, sampling, seed, first_stream + k)
+        for k in range(group_size)
     )
+    return list(await asyncio.gather(*runs))

@@ -59,7 +59,7 @@ from posttrain.policy.policy import Policy
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.contracts import RolloutWorker
 from posttrain.rollout.engine_worker import start_local_workers
-from posttrain.rollout.episodes import validate_env
+from posttrain.rollout.episodes import CURVES, mean_episode_metrics, validate_env
 from posttrain.rollout.groups import engine_config, probe_sync
 from posttrain.rollout.rows import SAMPLES_CODEC, GroupSamples
 from posttrain.rollout.validation import validate
@@ -145,9 +145,7 @@ class StepStats:
             values = [s.metrics[key] for s in kept if key in s.metrics]
             if values:
                 out[f"rollout/{key}_mean"] = sum(values) / len(values)
-        for key in sorted({k for s in kept for k in s.metrics if k.startswith("env/")}):  # episodes' metrics
-            values = [s.metrics[key] for s in kept if key in s.metrics]
-            out[key] = sum(values) / len(values)
+        out.update(mean_episode_metrics([s.metrics for s in kept]))  # environments
         key = "weight_sync/probe_max_abs_diff"
         diffs = [s.metrics[key] for s, _ in groups if key in s.metrics]
         if diffs:
@@ -413,9 +411,7 @@ def run_async_grpo(
     finally:
         metrics_log.close()
         close(run)
-    plot_metrics(
-        metrics_log.path, out / "curves.png", ("reward", "val/accuracy", "env/tool_calls", "env/turns")
-    )
+    plot_metrics(metrics_log.path, out / "curves.png", CURVES)
     return last
 
 
