@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -84,6 +85,9 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: dict[str, torch.Tensor] | None = None
     """This rank's local shards of the reference weights, keyed like `model.named_parameters()`."""
+    trainable_only: bool = False
+    """Save and restore only the parameters that require gradients (LoRA adapters); the frozen rest
+    is rebuilt from the model's source by whoever loads the checkpoint."""
 
 
 class CheckpointError(RuntimeError):
@@ -273,6 +277,15 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def _model_state(state: TrainState) -> dict[str, torch.Tensor]:
+    """The model's state dict, or only its trainable parameters with `trainable_only`."""
+    sd = get_model_state_dict(state.model)
+    if not state.trainable_only:
+        return sd
+    trainable = {n for n, p in state.model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sd.items() if k in trainable}
+
+
 def _model_tensors(model: torch.nn.Module, model_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     skip = tied_aliases(model)
     return {f"model.{k}": v for k, v in model_sd.items() if k not in skip}
@@ -321,7 +334,7 @@ def _apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, A
 
 def _sharded_state(state: TrainState) -> dict[str, torch.Tensor]:
     """Flat DCP state dict: model.*, optim.* (only once the optimizer has state), reference.*."""
-    flat = _model_tensors(state.model, get_model_state_dict(state.model))
+    flat = _model_tensors(state.model, _model_state(state))
     if state.optimizer.state:  # reading an empty optimizer's state would initialize it (one zero step)
         flat |= _optimizer_tensors(get_optimizer_state_dict(state.model, state.optimizer))
     if state.reference is not None:
@@ -364,6 +377,7 @@ def _metadata(
         "world_size": _world_size(),
         "mesh": _full_mesh(mesh, _world_size()),
         "has_reference": state.reference is not None,
+        "trainable_only": state.trainable_only,
         "torch_version": torch.__version__,
         "fingerprint": {"model": model_fingerprint(state.model), "config": identity},
     }
@@ -449,7 +463,7 @@ def _dcp_load(targets: dict[str, torch.Tensor], root: Path, no_dist: bool) -> No
 
 def _load_targets(state: TrainState, has_optimizer: bool, has_reference: bool):
     """Tensors to load into, with the current sharding (reference: fresh DTensors copied back after)."""
-    model_sd = get_model_state_dict(state.model)
+    model_sd = _model_state(state)
     optim_sd = get_optimizer_state_dict(state.model, state.optimizer) if has_optimizer else None
     flat = _model_tensors(state.model, model_sd)
     if optim_sd is not None:
@@ -491,8 +505,9 @@ def load_checkpoint(
     flat, model_sd, optim_sd, reference = _load_targets(state, has_optimizer, meta["has_reference"])
     _dcp_load(flat, root, no_dist=not _distributed())
     for alias, source in tied_aliases(state.model).items():
-        model_sd[alias] = model_sd[source]
-    set_model_state_dict(state.model, model_sd)
+        if source in model_sd:
+            model_sd[alias] = model_sd[source]
+    set_model_state_dict(state.model, model_sd, options=StateDictOptions(strict=not state.trainable_only))
     if optim_sd is not None:
         _apply_hyperparameters(optim_sd["param_groups"], train_state["optimizer_param_groups"])
         set_optimizer_state_dict(state.model, state.optimizer, optim_sd)

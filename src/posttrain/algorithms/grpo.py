@@ -29,7 +29,7 @@ from posttrain.generation.params import GenerationResult
 from posttrain.generation.weight_sync import WeightSync, can_share
 from posttrain.logging import StepProgress, get_logger, plot_metrics
 from posttrain.models.tokenizer import pad_token_id
-from posttrain.policy.model_init import load_full_model
+from posttrain.policy.model_init import engine_model
 from posttrain.policy.policy import Policy
 from posttrain.rollout import episodes
 from posttrain.rollout import groups as rollout_groups
@@ -173,7 +173,7 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
     gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
-    engine = GenerationEngine(load_full_model(cfg.policy.model, tokenizer), tokenizer, gen_cfg)
+    engine = GenerationEngine(engine_model(cfg.policy.model, cfg.policy.lora, tokenizer), tokenizer, gen_cfg)
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
     run = Run(cfg, parts.out, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
     if skips_prev_logprobs(cfg):

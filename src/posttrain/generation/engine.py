@@ -53,6 +53,7 @@ from posttrain.generation.sampler import RowParams, mix64, request_key, sample
 from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
+from posttrain.models.lora import has_lora
 
 __all__ = ["EngineStateError", "GenerationEngine"]
 
@@ -110,6 +111,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._shared = False
         self._sleeping = False
         self._released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]] = {}
+        self._adapters = has_lora(self.model)
 
     def _build_slots(self) -> None:
         s, dev = self.cfg.max_num_seqs, self.device

@@ -4,7 +4,8 @@ At decode time every row feeds one token, and on small models the step is domina
 the Hugging Face module tree (about 40 module calls and the mask/rotary plumbing per layer), not by
 its matmuls. `LeanDecoder` runs the same computation straight from the model's own parameters (no
 copies, so weight loads and shared weights are seen at once) and reads/writes the engine's
-`SlotKVCache` directly. Prefill and scoring keep the Hugging Face forward.
+`SlotKVCache` directly. Prefill and scoring keep the Hugging Face forward. LoRA layers (peft) add
+their low-rank update to the base layer's output, as peft's own forward does.
 
 The math is the Hugging Face one, operation for operation where it matters for rounding (RMSNorm in
 fp32, rotary embedding from the model's own `rotary_emb`, so every rope scaling type is covered);
@@ -26,6 +27,24 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, mod) -> torch.Tensor:
+    """A linear layer's output; for a peft LoRA layer, its base plus each active adapter's
+    `B(A(x)) * scaling`, in peft's order of operations."""
+    base = getattr(mod, "base_layer", None)
+    if base is None:
+        return F.linear(x, mod.weight, mod.bias)
+    out = F.linear(x, base.weight, base.bias)
+    if mod.disable_adapters:
+        return out
+    for name in mod.active_adapters:
+        if name in mod.lora_A:
+            out = (
+                out
+                + F.linear(F.linear(x, mod.lora_A[name].weight), mod.lora_B[name].weight) * mod.scaling[name]
+            )
+    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,17 +112,17 @@ class LeanDecoder:
             self.layers
         ):
             x = _rms_norm(h, norm1)
-            q = F.linear(x, q_proj.weight, q_proj.bias).view(n, self.heads, self.head_dim)
-            k = F.linear(x, k_proj.weight, k_proj.bias).view(n, self.kv_heads, self.head_dim)
-            v = F.linear(x, v_proj.weight, v_proj.bias).view(n, self.kv_heads, self.head_dim)
+            q = _linear(x, q_proj).view(n, self.heads, self.head_dim)
+            k = _linear(x, k_proj).view(n, self.kv_heads, self.head_dim)
+            v = _linear(x, v_proj).view(n, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.write_decode(i, rows, positions, k, v, length)
             qg = q.view(n, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling[i]).add_(mask)
             out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
-            h = h + F.linear(out.reshape(n, -1), o_proj.weight, o_proj.bias)
+            h = h + _linear(out.reshape(n, -1), o_proj)
             x = _rms_norm(h, norm2)
-            gate = F.linear(x, gate_proj.weight, gate_proj.bias)
-            up = F.linear(x, up_proj.weight, up_proj.bias)
-            h = h + F.linear(F.silu(gate) * up, down_proj.weight, down_proj.bias)
+            gate = _linear(x, gate_proj)
+            up = _linear(x, up_proj)
+            h = h + _linear(F.silu(gate) * up, down_proj)
         return _rms_norm(h, body.norm)

@@ -383,7 +383,7 @@ class WeightSync:
         self._verified_shares.discard(engine)  # a copy-load ends any aliasing
         reference = self.trainer_probe(policy) if self.cfg.probe.enabled else None
         start = time.perf_counter()
-        metrics = self._metrics(engine.load_weights(policy.full_state_dict(), version), start, version)
+        metrics = self._metrics(engine.load_weights(policy.engine_state_dict(), version), start, version)
         if reference is not None:
             metrics |= self._check_local(policy, engine, reference, version)
         return metrics
@@ -402,7 +402,7 @@ class WeightSync:
         import ray
 
         reference = self.trainer_probe(policy) if self.cfg.probe.enabled else None
-        weights = policy.full_state_dict()
+        weights = policy.engine_state_dict()
         pending = [e.receive_weights.remote() for e in engines]
         stats = broadcast_weights(group, weights.items(), version, self.cfg.bucket_bytes)
         ray.get(pending, timeout=self.cfg.timeout_s)
@@ -428,8 +428,8 @@ def same_arithmetic(policy, engine: GenerationEngine) -> bool:
 def can_share(policy, engine: GenerationEngine) -> bool:
     """Whether `engine` can alias the trainer's tensors: the Policy runs one unsharded rank in this
     process, on the engine's device, in the engine's dtype."""
-    if policy.cfg.cluster.backend != "local":
-        return False
+    if policy.cfg.cluster.backend != "local" or policy.cfg.lora is not None:
+        return False  # LoRA: the engine computes with merged weights (or its own adapters), not aliases
     return all(
         not isinstance(p, DTensor) and _same_device(p.device, engine.device) and p.dtype == engine.dtype
         for p in _local_model(policy).parameters()

@@ -15,6 +15,7 @@ import torch
 
 from posttrain.generation.lm_head import LMHead
 from posttrain.generation.params import EngineStateError
+from posttrain.models.lora import is_adapter_key
 
 WeightsLike = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -33,6 +34,8 @@ class WeightLoad:
         self.on_finish = on_finish
         state = model.state_dict(keep_vars=True)
         self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+        if any(is_adapter_key(k) for k in self.targets):  # the engine keeps its base; loads bring adapters
+            self.targets = {k: v for k, v in self.targets.items() if is_adapter_key(k)}
         self.seen: set[int] = set()
         self.nbytes = 0
         self.repointed = 0  # shared tensors that were not already aliased by the engine
@@ -58,6 +61,11 @@ class WeightLoad:
     def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         target = self.targets.get(name.removeprefix("_orig_mod."))
         if target is None:
+            if self.targets and all(is_adapter_key(k) for k in self.targets):
+                raise ValueError(
+                    f"unexpected weight '{name}': this engine carries LoRA adapters and loads only them; "
+                    "send the adapter tensors (Policy.engine_state_dict() with policy.lora.engine=adapters)"
+                )
             raise ValueError(
                 f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
                 "same model architecture (trainer and engine model configs differ?)"
@@ -111,6 +119,7 @@ class EngineWeights:
     _shared: bool  # parameters alias the trainer's tensors (share_weights)
     _sleeping: bool
     _released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]]  # by sleep(), for wake()
+    _adapters: bool  # the model carries LoRA adapters: loads bring only them, the base stays
     clear_sessions: Callable[[], None]  # stored keys/values were computed with the old weights
 
     def begin_load(self, share: bool = False) -> WeightLoad:
@@ -161,7 +170,7 @@ class EngineWeights:
         pin = self.device.type == "cuda"
         for name, p in self.model.named_parameters():
             host = None
-            if to_host:
+            if to_host or (self._adapters and not is_adapter_key(name)):  # no load brings the base back
                 host = p.data.to("cpu", copy=True)
                 host = host.pin_memory() if pin else host
             self._released[name] = (p.shape, p.dtype, host)

@@ -13,6 +13,11 @@ group, so that all parameters live on the same (dp_cp, tp) mesh once FSDP2 shard
 one checkpoint layout) and a gradient that each rank computed from a part of the input (sequence shards,
 its own heads) is summed over the group.
 
+LoRA layers (models/lora.py) are sharded with their base layer: under a column-wise layer A is
+replicated and B column-wise (B's output rows are the base layer's); under a row-wise layer A is
+row-wise (its partial output summed like the base layer's) and B replicated. The adapter's output then
+has the base layer's layout, so peft's `base(x) + B(A(x)) * scaling` adds matching local tensors.
+
 Departures from HF's own `base_model_tp_plan`: our plans also shard the embedding and lm_head over the
 vocabulary and know sequence parallelism. A model type without a plan here falls back to its config's
 `base_model_tp_plan` when that uses only "colwise"/"rowwise" entries; otherwise it is refused.
@@ -37,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.models.hf import tie_lm_head
+from posttrain.models.lora import ADAPTER, lora_layers
 from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.mesh import decoder_layers
 
@@ -163,10 +169,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     # of one over a flattened mesh: a few scalar reductions per step, not worth a line per step per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if hf_plan is not None:
-        parallelize_module(model.model, tp_mesh, hf_plan)
+        parallelize_module(model.model, tp_mesh, _with_adapters(model.model, hf_plan))
     else:
         for layer in decoder_layers(model):
-            parallelize_module(layer, tp_mesh, _layer_plan(sequence_parallel))
+            parallelize_module(layer, tp_mesh, _with_adapters(layer, _layer_plan(sequence_parallel)))
     embed_out = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(
         model,
@@ -181,6 +187,40 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     tie_lm_head(model)  # both are sharded on the vocabulary (dim 0 of the weight)
     _replicate_the_rest(model, tp_mesh, sequence_parallel)
     return model
+
+
+def _with_adapters(root: torch.nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan` with each entry that names LoRA layers split into its base layer and its two adapters
+    (see the module docstring)."""
+    adapted = list(lora_layers(root))
+    if not adapted:
+        return plan
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if not any(fnmatch.fnmatch(name, key) for name in adapted):
+            out[key] = style
+            continue
+        out[f"{key}.base_layer"] = style
+        out[f"{key}.lora_A.{ADAPTER}"], out[f"{key}.lora_B.{ADAPTER}"] = _adapter_styles(style)
+    return out
+
+
+def _adapter_styles(style: ParallelStyle) -> tuple[ParallelStyle, ParallelStyle]:
+    """(A's style, B's style) for an adapter on a layer sharded by `style`."""
+    if isinstance(style, ColwiseParallel):
+        layout = style.input_layouts[0]
+        return Replicated(layout), ColwiseParallel(
+            input_layouts=layout,
+            output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output,
+        )
+    if isinstance(style, RowwiseParallel):
+        out = style.output_layouts[0]
+        return RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=out), Replicated(out)
+    raise ValueError(
+        f"LoRA under tensor parallelism supports column- and row-wise layers, not {type(style).__name__}; "
+        "leave that module out of policy.lora.target_modules or use tensor_parallel_size=1"
+    )
 
 
 def _replicate_the_rest(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from posttrain.config import Config
 from posttrain.models.hf import TinyModelConfig
+from posttrain.models.lora import LoraSettings
 from posttrain.parallel.cluster import ClusterConfig
 from posttrain.parallel.dims import ParallelDims
 
@@ -123,8 +124,14 @@ class PolicyConfig(Config):
     scheduler: list[SchedulerStage] = Field(default_factory=list, description="lr stages; empty = constant")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    lora: LoraSettings | None = Field(
+        None,
+        description="train low-rank adapters (peft LoRA) instead of the full model; None: full fine-tuning",
+    )
     init_reference_model: bool = Field(
-        True, description="keep the initial weights on CPU for reference logprobs"
+        True,
+        description="reference logprobs available: a copy of the initial weights on CPU, or, with lora, "
+        "the same model with its adapters disabled (no copy)",
     )
     free_comms_during_generation: bool = Field(
         False,
@@ -149,6 +156,12 @@ class PolicyConfig(Config):
                 f"train_global_batch_size={self.train_global_batch_size} is not divisible by the "
                 f"{dp} data-parallel ranks (cluster.num_workers={self.cluster.num_workers} / "
                 f"(tensor_parallel_size x context_parallel_size)); use a multiple of {dp}"
+            )
+        if self.lora is not None and self.lora.dropout > 0 and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"policy.lora.dropout={self.lora.dropout} with tensor_parallel_size="
+                f"{self.parallel.tensor_parallel_size}: the ranks of a tensor-parallel group would drop "
+                "different inputs of one replicated adapter. Set policy.lora.dropout=0"
             )
         if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
             warnings.warn(

@@ -9,6 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tie_lm_head, tiny_config
+from posttrain.models.lora import LoraSettings, add_lora
 from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
 from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.mesh import local_tensor
@@ -32,6 +33,13 @@ def load_full_model(cfg: ModelConfig, tokenizer):
     return load_model(cfg.name)
 
 
+def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
+    """The model an engine starts from: the policy's base model, with the policy's LoRA adapters when
+    weight sync sends adapters alone (`lora.engine=adapters`; their values come with each sync)."""
+    model = load_full_model(cfg, tokenizer)
+    return add_lora(model, lora) if lora is not None and lora.engine == "adapters" else model
+
+
 def model_config(cfg: ModelConfig, tokenizer=None):
     """The transformers config of the model (the tiny model's needs its tokenizer's size)."""
     if cfg.name == "tiny":
@@ -44,20 +52,26 @@ def build_policy_model(
 ):
     """The model of this rank, parallelized by `parallelize()`: the full model on this device without
     FSDP2; otherwise built on the meta device, sharded, materialized, and filled with rank 0's weights
-    (broadcast into every shard). Under FSDP2, `dims.build_mesh()` must have run."""
+    (broadcast into every shard). With `cfg.lora`, adapters are injected before parallelizing (rank 0's
+    initialization is the one every layout gets). Under FSDP2, `dims.build_mesh()` must have run."""
     ac = cfg.parallel.activation_checkpointing
     if not dims.fsdp_enabled:
-        model = load_full_model(cfg.model, tokenizer).to(device)
+        model = _with_lora(load_full_model(cfg.model, tokenizer), cfg).to(device)
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
-    full = load_full_model(cfg.model, tokenizer) if dist.get_rank() == 0 else None
+    full = _with_lora(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
     config = full.config if full is not None else model_config(cfg.model, tokenizer)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    _with_lora(model, cfg)
     parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     model.to_empty(device=dims.param_device(device))
     tie_lm_head(model)
     _load_from_rank0(model, full)
     return model
+
+
+def _with_lora(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
+    return add_lora(model, cfg.lora) if cfg.lora is not None else model
 
 
 def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:

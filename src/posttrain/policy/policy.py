@@ -183,8 +183,13 @@ class Policy:
 
     @verb(*ON_DEVICE, collective=True)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights on the host (gathered from the shards)."""
+        """Full weights on the host (gathered from the shards; with LoRA, merged into the base's names)."""
         return self.group.run("full_state_dict")[0]
+
+    @verb(*ON_DEVICE, collective=True)
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """What weight sync sends: the full weights, or the adapters alone (`policy.lora.engine=adapters`)."""
+        return self.group.run("engine_state_dict")[0]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -214,7 +219,7 @@ class Policy:
 
     @verb(*ON_DEVICE, collective=True)
     def send_weights(self, sink, version: int) -> list[dict[str, float]]:
-        """Every rank streams the full weights into `sink` (see PolicyWorker.send_weights)."""
+        """Every rank streams `engine_state_dict`'s tensors into `sink` (see PolicyWorker.send_weights)."""
         return self.group.run("send_weights", sink, version)
 
     def shutdown(self) -> None:

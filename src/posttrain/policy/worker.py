@@ -39,6 +39,7 @@ from posttrain.models.logprobs import (
     microbatch_topk,
     supports_shared_prefix,
 )
+from posttrain.models.lora import adapters_disabled, is_adapter_key, merged_weights, scalings
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
@@ -79,9 +80,13 @@ class PolicyWorker:
         self.dims.build_mesh(self.device)
         self.split = self.dims.sequence_split()
         self.model = build_policy_model(cfg, self.tokenizer, self.device, self.dims, self.dtype)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.optimizer = build_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
-        self.reference_weights = self._snapshot_weights() if cfg.init_reference_model else None
+        # with LoRA the reference is the same model with its adapters disabled: nothing to keep
+        keep_reference = cfg.init_reference_model and cfg.lora is None
+        self.reference_weights = self._snapshot_weights() if keep_reference else None
         self.model.train()
 
     # ------------------------------------------------------------------ helpers
@@ -379,9 +384,14 @@ class PolicyWorker:
 
     @verb(*ON_DEVICE, collective=True)
     def get_reference_policy_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        """Logprobs under the initial weights (kept on the host, swapped in for this call)."""
-        if self.reference_weights is None:
+        """Logprobs under the initial weights (kept on the host, swapped in for this call; with LoRA:
+        the base model, adapters disabled for this call)."""
+        if not self.cfg.init_reference_model:
             raise ValueError("reference logprobs need policy.init_reference_model=true")
+        if self.cfg.lora is not None:
+            with adapters_disabled(self.model):
+                return self.get_logprobs(batch)
+        assert self.reference_weights is not None
         with self._swapped_weights(self.reference_weights):
             return self.get_logprobs(batch)
 
@@ -401,10 +411,36 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ weights
 
+    def _full_weights(self, adapters_only: bool = False):
+        """(name, full tensor) of the model under its Hugging Face names, gathered one tensor at a time
+        (collective under FSDP2/TP): with LoRA, merged (base + scaling * B @ A) or, with
+        `adapters_only`, the adapter tensors alone."""
+        if self.cfg.lora is None:
+            return iter_full_weights(self.model)
+        if adapters_only:
+            return (
+                (n, full_tensor(p).detach()) for n, p in self.model.named_parameters() if is_adapter_key(n)
+            )
+        return merged_weights(iter_full_weights(self.model), scalings(self.model))
+
+    def _engine_adapters_only(self) -> bool:
+        return self.cfg.lora is not None and self.cfg.lora.engine == "adapters"
+
     @verb(*ON_DEVICE, collective=True)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) parameters and persistent buffers on the host (collective under FSDP)."""
-        return full_state_dict(self.model)
+        """The full (unsharded) parameters and persistent buffers on the host (collective under FSDP);
+        with LoRA, the merged weights under the base model's names."""
+        if self.cfg.lora is None:
+            return full_state_dict(self.model)
+        return {name: t.to("cpu", copy=True) for name, t in self._full_weights()}
+
+    @verb(*ON_DEVICE, collective=True)
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """What weight sync sends to an engine, on the host: the full state dict, or with
+        `policy.lora.engine=adapters` the adapter tensors alone."""
+        if not self._engine_adapters_only():
+            return self.full_state_dict()
+        return {name: t.to("cpu", copy=True) for name, t in self._full_weights(adapters_only=True)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -414,7 +450,13 @@ class PolicyWorker:
                 f"{verb_name}() called while a split train step is open; "
                 "call finish_train_step() or abort_train_step() first"
             )
-        return checkpoint.TrainState(self.model, self.optimizer, self.scheduler, self.reference_weights)
+        return checkpoint.TrainState(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.reference_weights,
+            trainable_only=self.cfg.lora is not None,
+        )
 
     def _checkpoint_identity(self) -> dict[str, Any]:
         """The config pieces a resumed run must share with the run that saved the checkpoint."""
@@ -425,7 +467,34 @@ class PolicyWorker:
             "model.tiny": m.tiny.model_dump(mode="json") if m.name == "tiny" else None,
             "optimizer.name": self.cfg.optimizer.name,
             "init_reference_model": self.cfg.init_reference_model,
+            **self._lora_identity(),
         }
+
+    def _lora_identity(self) -> dict[str, Any]:
+        """LoRA checkpoints hold the adapters alone: the base they were trained on must be rebuilt the
+        same (the tiny model's seed), and the adapters' shape must match. Absent without LoRA, so full
+        checkpoints keep their identity."""
+        lora = self.cfg.lora
+        if lora is None:
+            return {}
+        shape = lora.model_dump(mode="json", include={"rank", "alpha", "target_modules", "use_rslora"})
+        return {"lora": shape, "model.seed": self.cfg.model.seed if self.cfg.model.name == "tiny" else None}
+
+    def _check_lora_matches(self, path: str) -> None:
+        """A full checkpoint in a LoRA run, or a LoRA checkpoint in a full run: refused, naming the way."""
+        saved = checkpoint.read_metadata(path)["fingerprint"]["config"].get("lora")
+        if saved is None and self.cfg.lora is not None:
+            raise ValueError(
+                f"checkpoint '{path}' is a full fine-tuning checkpoint and this run trains LoRA adapters "
+                "(policy.lora is set); it cannot resume it. Either unset policy.lora to resume it, or "
+                f"export it (posttrain export {path} <dir>) and start a LoRA run with model.name=<dir>"
+            )
+        if saved is not None and self.cfg.lora is None:
+            raise ValueError(
+                f"checkpoint '{path}' holds LoRA adapters (policy.lora: {saved}) and this run is full "
+                "fine-tuning; set the same policy.lora to resume it, or export it merged (posttrain "
+                f"export {path} <dir>) and start a full run with model.name=<dir>"
+            )
 
     @verb(*ANY_PHASE, collective=True)
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
@@ -444,6 +513,7 @@ class PolicyWorker:
     @verb(*ON_DEVICE, collective=True)
     def load_checkpoint(self, path: str) -> dict:
         """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state."""
+        self._check_lora_matches(path)
         info = checkpoint.load_checkpoint(
             path,
             self._checkpoint_state("load_checkpoint"),
@@ -488,10 +558,10 @@ class PolicyWorker:
 
     @verb(*ON_DEVICE, collective=True)
     def send_weights(self, sink, version: int) -> dict[str, float]:
-        """Stream the full weights, one gathered tensor at a time, into `sink(named_tensors, rank)`
-        (e.g. generation.weight_sync.BroadcastSink): rank 0 sends straight to the engines, not through
-        the driver. Collective under FSDP (every rank gathers)."""
-        return sink(iter_full_weights(self.model), self.rank)
+        """Stream what `engine_state_dict` holds, one gathered tensor at a time, into
+        `sink(named_tensors, rank)` (e.g. generation.weight_sync.BroadcastSink): rank 0 sends straight to
+        the engines, not through the driver. Collective under FSDP (every rank gathers)."""
+        return sink(self._full_weights(self._engine_adapters_only()), self.rank)
 
     @verb(*ON_DEVICE, collective=True)
     def save_hf(self, out_dir: str) -> None:

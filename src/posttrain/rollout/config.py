@@ -10,6 +10,7 @@ from posttrain.config import Config
 from posttrain.envs.build import EnvConfig
 from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.weight_sync import WeightSyncConfig
+from posttrain.models.lora import LoraSettings
 from posttrain.parallel.cluster import ClusterConfig
 from posttrain.policy.config import ModelConfig
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig
@@ -37,6 +38,9 @@ class RolloutWorkerConfig(Config):
     settings, the task (for its prompts' reward), the group settings and the weight-sync probe."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraSettings | None = Field(
+        None, description="the policy's LoRA settings (with lora.engine=adapters the engine carries them)"
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     task: TaskConfig = Field(default_factory=ArithmeticTaskConfig)

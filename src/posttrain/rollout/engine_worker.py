@@ -33,7 +33,7 @@ from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.payload import WeightsPayload
 from posttrain.models.tokenizer import pad_token_id
-from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.model_init import build_tokenizer, engine_model
 from posttrain.rollout.config import RolloutWorkerConfig
 from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
 from posttrain.rollout.episodes import play_groups, trajectory_rewards
@@ -105,7 +105,7 @@ class EngineRolloutWorker(RolloutWorker):
             task: Task | EnvSuite = build_env(cfg.env)
         else:
             task = build_task(cfg.task.model_copy(update={"reward": reward}), tokenizer)
-        model = load_full_model(cfg.model, tokenizer)
+        model = engine_model(cfg.model, cfg.lora, tokenizer)
         engine = GenerationEngine(model, tokenizer, engine_config(cfg.generation, cfg.sampling, task))
         return cls(cfg, engine, task, name)
 

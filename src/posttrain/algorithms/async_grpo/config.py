@@ -149,6 +149,7 @@ def worker_config(cfg: AsyncGRPORunConfig) -> RolloutWorkerConfig:
     """What each engine rollout worker of the run is built from."""
     return RolloutWorkerConfig(
         model=cfg.policy.model,
+        lora=cfg.policy.lora,
         generation=cfg.generation,
         sampling=cfg.sampling,
         task=cfg.task,

@@ -54,7 +54,7 @@ from posttrain.generation.payload import WeightsPayload, packed_nbytes
 from posttrain.generation.weight_sync import WeightSync
 from posttrain.logging import MetricsLogger, StepProgress, get_logger, plot_metrics
 from posttrain.models.tokenizer import pad_token_id
-from posttrain.policy.model_init import load_full_model, model_config
+from posttrain.policy.model_init import engine_model, model_config
 from posttrain.policy.policy import Policy
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.contracts import RolloutWorker
@@ -104,7 +104,7 @@ def export_fn(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, tokenizer: Any) -
 
     def export() -> Any:
         probe = sync.trainer_probe(policy) if cfg.weight_sync.probe.enabled else None
-        state = policy.full_state_dict()
+        state = policy.engine_state_dict()
         temperature = cfg.policy.logprob_temperature
         if cfg.rollout.backend != "ray":
             return WeightsPayload(trainer.version, state, probe, temperature)
@@ -300,7 +300,7 @@ def _build_validator(cfg: AsyncGRPORunConfig, task: Task | EnvSuite, tokenizer: 
     loop = cfg.grpo
     if task.eval is None or not (loop.val_period or loop.val_at_start):
         return None
-    model = load_full_model(cfg.policy.model, tokenizer)
+    model = engine_model(cfg.policy.model, cfg.policy.lora, tokenizer)
     engine = GenerationEngine(model, tokenizer, engine_config(cfg.generation, cfg.sampling, task))
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
     return Validator(engine, sync, tokenizer)

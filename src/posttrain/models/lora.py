@@ -1,0 +1,191 @@
+"""LoRA adapters on a Hugging Face causal LM, through `peft`: injection, the frozen base, merged and
+adapter-only weights, and the peft adapter directory.
+
+Adapters are injected in place (`peft.inject_adapter_in_model`): the model keeps its class, its forward
+and its parameter names, plus `<layer>.base_layer.*` and `<layer>.lora_A/lora_B.default.weight` under
+each targeted linear layer. Only the adapter parameters require gradients. The reference policy of a
+LoRA run is the same model with its adapters disabled (`adapters_disabled`), so no copy of the weights
+is kept for it.
+
+An engine receives either merged weights (`merged_weights`: base + scaling * B @ A under the base
+layer's own name, one layer at a time, so a full extra copy of the model never exists) or the adapter
+tensors alone (`is_adapter_key`), when it carries the same adapters itself.
+
+Departures from peft: adapters may not target the embedding or the LM head (the engine applies the
+LM head itself and tensor parallelism shards both on the vocabulary), and only the initializations
+that leave the base weights untouched are offered (PiSSA/OLoRA rewrite the base, which would make
+"adapters disabled" a different model from the one the run started from).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from posttrain.config import Config
+
+ADAPTER = "default"  # peft's adapter name; one adapter per model
+_NOT_TARGETS = ("lm_head", "embed_tokens")
+
+
+class LoraSettings(Config):
+    """Low-rank adapters (peft LoRA) on the policy's linear layers; everything else stays frozen."""
+
+    rank: int = Field(16, ge=1, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: updates are scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (training only)")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every linear layer "
+        "of the decoder, not the LM head)",
+    )
+    init: Literal["default", "gaussian"] = Field(
+        "default", description="A's initialization (B starts at zero either way): kaiming-uniform or gaussian"
+    )
+    use_rslora: bool = Field(False, description="rank-stabilized scaling alpha / sqrt(rank)")
+    seed: int = Field(0, description="seed of the adapters' initialization")
+    engine: Literal["merged", "adapters"] = Field(
+        "merged",
+        description="what weight sync sends: merged weights (base + scaling * B @ A; any engine), or the "
+        "adapter tensors alone (the engine holds the base once and applies the low-rank update itself)",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: str | list[str]) -> str | list[str]:
+        names = [v] if isinstance(v, str) else v
+        if not names:
+            raise ValueError(
+                "target_modules is empty; name modules (e.g. [q_proj, v_proj]) or use all-linear"
+            )
+        bad = [n for n in names if n in _NOT_TARGETS]
+        if bad:
+            raise ValueError(
+                f"target_modules may not include {bad}: adapters go on the decoder's linear layers, the "
+                "embedding and LM head stay frozen (remove them, or use all-linear)"
+            )
+        return v
+
+    def peft_config(self):
+        """The equivalent `peft.LoraConfig`."""
+        import peft
+
+        return peft.LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            init_lora_weights=True if self.init == "default" else "gaussian",
+            use_rslora=self.use_rslora,
+            bias="none",
+        )
+
+
+def add_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Inject adapters into `model` in place (deterministic for `settings.seed`; on the meta device when
+    the model is there) and freeze everything else; returns the model."""
+    import peft
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        try:
+            peft.inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
+        except ValueError as e:
+            raise ValueError(
+                f"policy.lora.target_modules={settings.target_modules!r} does not fit this model ({e}); "
+                "name linear layers of its decoder (e.g. q_proj, v_proj) or use all-linear"
+            ) from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+    return model
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """{module name: peft LoRA layer} of every adapted layer."""
+    if "peft" not in sys.modules:  # nothing can be adapted before peft is imported (it is, lazily)
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return any(is_adapter_key(n) for n, _ in model.named_parameters())
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a parameter or state-dict name belongs to an adapter."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The base model: every adapter layer computes its base layer alone inside the block."""
+    layers = list(lora_layers(model).values())
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def scalings(model: torch.nn.Module) -> dict[str, float]:
+    """{adapted layer name: scaling} (alpha / rank, or alpha / sqrt(rank) with rsLoRA)."""
+    return {n: float(m.scaling[ADAPTER]) for n, m in lora_layers(model).items()}
+
+
+def merged_weights(
+    named: Iterable[tuple[str, torch.Tensor]], scaling: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Merge a stream of full tensors of an adapted model into the base model's names and values:
+    `<layer>.base_layer.weight` + scaling * B @ A becomes `<layer>.weight` (in fp32, cast back), other
+    `base_layer.*` tensors lose the `base_layer.` part, adapter tensors are consumed. A layer's base
+    weight is held only until its two adapter tensors have come by."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        layer, part = _split(name, scaling)
+        if layer is None:
+            yield name, t
+            continue
+        if part.startswith("base_layer.") and part != "base_layer.weight":
+            yield f"{layer}.{part.removeprefix('base_layer.')}", t
+            continue
+        parts = pending.setdefault(layer, {})
+        parts[part] = t
+        if len(parts) == 3:
+            del pending[layer]
+            yield f"{layer}.weight", _merge(parts, scaling[layer])
+    assert not pending, f"adapted layers without all of base/A/B in the stream: {sorted(pending)}"
+
+
+def _split(name: str, scaling: dict[str, float]) -> tuple[str | None, str]:
+    """(adapted layer, the rest of the name) for a tensor inside an adapted layer, else (None, name)."""
+    for marker in (".base_layer.", f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}."):
+        layer, sep, _ = name.partition(marker)
+        if sep and layer in scaling:
+            return layer, name[len(layer) + 1 :]
+    return None, name
+
+
+def _merge(parts: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    base = parts["base_layer.weight"]
+    a = parts[f"lora_A.{ADAPTER}.weight"].float()
+    b = parts[f"lora_B.{ADAPTER}.weight"].float()
+    return (base.float() + scale * (b @ a)).to(base.dtype)
+
+
+def peft_state_dict(adapters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Adapter tensors under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
+    `base_model.model.` in front)."""
+    return {
+        "base_model.model." + name.replace(f".{ADAPTER}.", "."): t.detach().cpu().contiguous()
+        for name, t in adapters
+        if is_adapter_key(name)
+    }
