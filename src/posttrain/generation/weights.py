@@ -66,6 +66,12 @@ class WeightLoad:
                     f"unexpected weight '{name}': this engine carries LoRA adapters and loads only them; "
                     "send the adapter tensors (Policy.engine_state_dict() with policy.lora.engine=adapters)"
                 )
+            if is_adapter_key(name):
+                raise ValueError(
+                    f"unexpected weight '{name}': a LoRA adapter tensor, and this engine has no adapters; "
+                    "build the engine with policy.model_init.engine_model(model, lora) to load adapters, "
+                    "or send merged weights (policy.lora.engine=merged)"
+                )
             raise ValueError(
                 f"unexpected weight '{name}': the engine model has no such tensor; sync between the "
                 "same model architecture (trainer and engine model configs differ?)"

@@ -30,6 +30,7 @@ from pydantic import Field, field_validator
 from posttrain.config import Config
 
 ADAPTER = "default"  # peft's adapter name; one adapter per model
+ALL_LINEAR = "all-linear"
 _NOT_TARGETS = ("lm_head", "embed_tokens")
 
 
@@ -40,9 +41,10 @@ class LoraSettings(Config):
     alpha: float = Field(32.0, gt=0, description="scaling numerator: updates are scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (training only)")
     target_modules: str | list[str] = Field(
-        "all-linear",
-        description="module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear' (every linear layer "
-        "of the decoder, not the LM head)",
+        ALL_LINEAR,
+        description="names of the linear layers to adapt (e.g. [q_proj, v_proj]; one name may be given "
+        "bare), each matching at least one layer, or 'all-linear' (every linear layer of the decoder, not "
+        "the LM head)",
     )
     init: Literal["default", "gaussian"] = Field(
         "default", description="A's initialization (B starts at zero either way): kaiming-uniform or gaussian"
@@ -58,6 +60,8 @@ class LoraSettings(Config):
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str) and v != ALL_LINEAR:
+            v = [v]  # one module name (peft would read a bare string as a regex over full module paths)
         names = [v] if isinstance(v, str) else v
         if not names:
             raise ValueError(
@@ -91,6 +95,7 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     the model is there) and freeze everything else; returns the model."""
     import peft
 
+    _check_targets(model, settings.target_modules)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         try:
@@ -103,6 +108,23 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     return model
+
+
+def _check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
+    """Refuse target names that match no linear layer (peft refuses only when none of the names matches
+    anything, so a misspelt name next to a good one would silently leave its layers frozen)."""
+    if isinstance(targets, str):
+        return
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear | Conv1D)}
+    bad = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+    if bad:
+        names = sorted({n.rsplit(".", 1)[-1] for n in linear} - set(_NOT_TARGETS))
+        raise ValueError(
+            f"policy.lora.target_modules: {bad} name no linear layer of this model; its linear layers "
+            f"are {names}: name some of those, or use all-linear"
+        )
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
