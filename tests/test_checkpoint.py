@@ -1,5 +1,5 @@
 """Checkpoints: exact resume, resharding between 1 and 2 ranks, atomic saves, refusal of a foreign
-checkpoint, and export to a Hugging Face directory."""
+checkpoint, and export to a Hugging Face directory (policy/export.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from conftest import random_batch
 from helpers import assert_params_close, params_of, policy_cfg
 from posttrain import checkpoint
 from posttrain.algorithms.losses import NLLLoss
+from posttrain.policy.export import export_hf
 from posttrain.policy.lifecycle import PhaseError
 from posttrain.policy.policy import Policy
 
@@ -204,7 +205,7 @@ def test_export_gives_identical_logits(tmp_path, tied):
     policy = Policy(cfg(model={"tiny": {"tie_word_embeddings": tied}}))
     train(policy, range(2))
     policy.save_checkpoint(tmp_path / "ckpt")
-    out = checkpoint.export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
 
     worker = policy.group.workers[0]
     exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa")
@@ -217,8 +218,8 @@ def test_export_gives_identical_logits(tmp_path, tied):
     tok = AutoTokenizer.from_pretrained(out)
     assert tok("12+3=15").input_ids == worker.tokenizer("12+3=15").input_ids
     with pytest.raises(ValueError, match="not empty"):
-        checkpoint.export_hf(tmp_path / "ckpt", out)
-    half = checkpoint.export_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bfloat16")
+        export_hf(tmp_path / "ckpt", out)
+    half = export_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bfloat16")
     with safe_open(str(half / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
@@ -237,9 +238,7 @@ def test_resume_across_world_sizes(tmp_path, ray_session):
         files = sorted(p.name for p in (tmp_path / "two_ranks").rglob("*.safetensors"))
         assert len([f for f in files if f.startswith("shard-")]) == 2, files  # one shard file per rank
         assert {"rank-0.safetensors", "rank-1.safetensors"} <= set(files)
-        exported = AutoModelForCausalLM.from_pretrained(
-            checkpoint.export_hf(tmp_path / "two_ranks", tmp_path / "hf")
-        )
+        exported = AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / "two_ranks", tmp_path / "hf"))
         assert_params_equal(exported.state_dict(), saved)
 
         assert local.load_checkpoint(tmp_path / "two_ranks") == {"step": 3}

@@ -10,7 +10,7 @@ import torch
 
 from conftest import random_batch
 from helpers import assert_params_close, policy_cfg
-from posttrain.checkpoint import export_hf, read_metadata
+from posttrain.checkpoint import read_metadata
 from posttrain.data import microbatch
 from posttrain.data.batch import shard_batch
 from posttrain.models.hf import load_model
@@ -18,6 +18,7 @@ from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.processes import run_ranks
 from posttrain.parallel.tensor_parallel import apply_tp, check_tp_divides
 from posttrain.policy.config import PolicyConfig
+from posttrain.policy.export import export_hf
 from posttrain.policy.worker import PolicyWorker
 from test_invariance import LOSSES, SGD
 

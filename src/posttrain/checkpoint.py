@@ -1,4 +1,4 @@
-"""Sharded, reshardable, atomic checkpoints of a training state, and export to a Hugging Face directory.
+"""Sharded, reshardable, atomic checkpoints of a training state.
 
 A checkpoint holds the model, the optimizer, the scheduler, every rank's RNG states, the reference
 weights and a JSON `extra_state` that the training loops fill with their own state (data position,
@@ -15,7 +15,7 @@ Layout of a checkpoint directory::
     config.yaml             the posttrain config it was saved with (for people; not read back)
     state/                  DCP shards: model.*, optim.*, reference.*
     rng/rank-<r>.safetensors
-    hf/                     model config and tokenizer files, used by `export_hf`
+    hf/                     model config and tokenizer files, used by the export (policy/export.py)
 
 Departures from plain DCP: writes are atomic (every rank writes into `<dir>.tmp-<id>`, rank 0 renames
 it into place once all ranks succeeded; a failure anywhere removes the temporary directory and leaves
@@ -48,9 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.rng_state import load_rng, save_rng
 
@@ -530,11 +528,13 @@ def load_checkpoint(
     )
 
 
-# ---------------------------------------------------------------------- export
+# ---------------------------------------------------------------------- reading
 
 
-def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model tensors of a checkpoint, read on this process alone."""
+def read_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a checkpoint under the model's state-dict names, read on
+    this process alone (a `trainable_only` checkpoint: the trainable parameters alone)."""
+    root = Path(path).absolute()
     reader = _hf_storage("Reader")(str(root / "state"))
     shapes = reader.read_metadata().state_dict_metadata
     full = {
@@ -544,49 +544,3 @@ def _full_model_state(root: Path) -> dict[str, torch.Tensor]:
     }
     _dcp_load(full, root, no_dist=True)
     return {k.removeprefix("model."): v for k, v in full.items()}
-
-
-def _consolidated_model(root: Path, dtype: torch.dtype | None):
-    config = AutoConfig.from_pretrained(root / HF_FILES_DIR)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tied = set(tied_aliases(model))
-    missing, unexpected = model.load_state_dict(_full_model_state(root), strict=False)
-    if set(missing) - tied or unexpected:
-        raise ValueError(
-            f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
-            f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
-        )
-    return model.to(dtype) if dtype is not None else model
-
-
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Consolidate a checkpoint's model into a Hugging Face directory (safetensors + config + tokenizer).
-
-    Runs on one process without a process group, whatever the number of ranks that saved it; the
-    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. Weights stay fp32 unless `dtype`
-    ("float32", "bfloat16" or "float16") says otherwise.
-    """
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    root = Path(checkpoint_dir).absolute()
-    out = Path(out_dir).absolute()
-    read_metadata(root)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(
-            f"export directory '{out}' exists and is not empty; pass a new directory or delete it"
-        )
-    model = _consolidated_model(root, DTYPES[dtype] if dtype else None)
-    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        for f in (root / HF_FILES_DIR).iterdir():
-            if f.is_file() and f.name not in ("config.json", "generation_config.json"):
-                shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("exported %s to %s", root, out)
-    return out

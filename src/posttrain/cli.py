@@ -77,12 +77,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from posttrain.checkpoint import export_hf
+    from posttrain.policy.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out, args.dtype)
-    console.print(
-        f"[bold green]exported[/] {args.checkpoint} -> {out} (load with AutoModelForCausalLM.from_pretrained)"
+    out = export_hf(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
+    how = (
+        "peft.PeftModel.from_pretrained(base, out)"
+        if args.adapter
+        else "AutoModelForCausalLM.from_pretrained"
     )
+    console.print(f"[bold green]exported[/] {args.checkpoint} -> {out} (load with {how})")
     return 0
 
 
@@ -121,10 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
         p.set_defaults(func=fn)
-    p = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face directory")
+    p = sub.add_parser(
+        "export", help="consolidate a checkpoint into a Hugging Face directory (LoRA: merged, or --adapter)"
+    )
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: write a peft adapter directory (adapter_config.json, "
+        "adapter_model.safetensors) instead of the weights merged into the base model",
+    )
     p.set_defaults(func=_export)
     p = sub.add_parser("generate", help="sample completions from a Hugging Face model directory")
     p.add_argument("model")

@@ -203,6 +203,24 @@ def _merge(parts: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
     return (base.float() + scale * (b @ a)).to(base.dtype)
 
 
+def unload_merged(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn an adapted model back into its plain class, in place: every adapted layer is replaced by its
+    base layer carrying the merged weight (as `merged_weights` merges it, one layer at a time); returns
+    the model, which `save_pretrained` writes under the base model's names."""
+    scale = scalings(model)
+    for name, layer in lora_layers(model).items():
+        tensors = [(f"{name}.{part}", p.detach()) for part, p in layer.named_parameters()]
+        merged = dict(merged_weights(tensors, {name: scale[name]}))
+        base = layer.get_base_layer()
+        with torch.no_grad():
+            base.weight.copy_(merged[f"{name}.weight"])
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, base)
+    if hasattr(model, "peft_config"):  # set by peft's injection; the model has no adapters left
+        del model.peft_config
+    return model
+
+
 def peft_state_dict(adapters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Adapter tensors under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
     `base_model.model.` in front)."""

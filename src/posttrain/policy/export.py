@@ -1,0 +1,169 @@
+"""Export of a checkpoint for use outside posttrain (`posttrain export`): a Hugging Face model directory,
+or, for a LoRA checkpoint, the merged model or a peft adapter directory.
+
+Runs on one process without a process group, whatever the number of ranks that saved the checkpoint,
+and writes atomically (into a temporary sibling renamed into place once complete). A full checkpoint
+holds every weight and is consolidated from its shards. A LoRA checkpoint holds the adapters alone
+(`TrainState.trainable_only`), so its merged export rebuilds the base model from the identity the
+checkpoint was saved with (`model.name`; for `tiny`, the random model of `model.tiny` and
+`model.seed`), checks it against the checkpoint's fingerprint, loads the adapters into it and merges
+them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32). The adapter export needs no
+base model: the checkpoint's adapter tensors go out under peft's names next to an
+`adapter_config.json`, so `peft.PeftModel.from_pretrained(base, out_dir)` loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from posttrain import checkpoint
+from posttrain.dtypes import DTYPES
+from posttrain.logging import get_logger
+from posttrain.models.lora import LoraSettings, add_lora, is_adapter_key, peft_state_dict, unload_merged
+from posttrain.policy.config import ModelConfig
+from posttrain.policy.model_init import build_tokenizer, load_full_model
+
+log = get_logger(__name__)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file name PeftModel.from_pretrained reads
+
+
+def export_hf(
+    checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None, adapter: bool = False
+) -> Path:
+    """Write a checkpoint's model to `out_dir` as a Hugging Face directory (safetensors, config,
+    tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads; a LoRA checkpoint's adapters
+    are merged into its base. With `adapter`, a LoRA checkpoint's peft adapter directory instead.
+    Weights stay fp32 unless `dtype` ("float32", "bfloat16" or "float16") says otherwise."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    root = Path(checkpoint_dir).absolute()
+    meta = checkpoint.read_metadata(root)
+    lora = meta["fingerprint"]["config"].get("lora")
+    if adapter and lora is None:
+        raise ValueError(
+            f"checkpoint '{root}' is a full fine-tuning checkpoint: it has no LoRA adapters to export. "
+            "Drop --adapter to export its weights as a Hugging Face directory"
+        )
+    cast = DTYPES[dtype] if dtype else None
+    with export_dir(out_dir) as tmp:
+        if lora is None:
+            _consolidated_model(root, cast).save_pretrained(tmp, safe_serialization=True)
+        elif adapter:
+            _write_adapter(root, meta, tmp, cast)
+        else:
+            _write_merged(root, meta, tmp, cast)
+        copy_tokenizer_files(root, tmp)
+    out = Path(out_dir).absolute()
+    log.info("exported %s to %s%s", root, out, " (peft adapter)" if adapter else "")
+    return out
+
+
+@contextmanager
+def export_dir(out_dir: str | Path) -> Iterator[Path]:
+    """A temporary directory next to `out_dir` to write an export into, renamed to `out_dir` when the
+    block succeeds and removed when it fails (nothing half-written is ever at `out_dir`). A non-empty
+    `out_dir` is refused before anything is written."""
+    out = Path(out_dir).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(
+            f"export directory '{out}' exists and is not empty; pass a new directory or delete it"
+        )
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer_files(checkpoint_dir: str | Path, out_dir: Path) -> None:
+    """The tokenizer files saved with a checkpoint, copied into an export directory."""
+    for f in (Path(checkpoint_dir) / checkpoint.HF_FILES_DIR).iterdir():
+        if f.is_file() and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy2(f, out_dir / f.name)
+
+
+def _consolidated_model(root: Path, dtype: torch.dtype | None):
+    """A full checkpoint's model, built from its saved config and filled from its shards."""
+    config = AutoConfig.from_pretrained(root / checkpoint.HF_FILES_DIR)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = set(checkpoint.tied_aliases(model))
+    missing, unexpected = model.load_state_dict(checkpoint.read_model_tensors(root), strict=False)
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
+        )
+    return model.to(dtype) if dtype is not None else model
+
+
+# ---------------------------------------------------------------------- LoRA checkpoints
+
+
+def _base_config(identity: dict[str, Any]) -> ModelConfig:
+    """The model section a LoRA checkpoint's base is rebuilt from."""
+    fields = {"name": identity["model.name"], "tokenizer": identity["model.tokenizer"]}
+    if identity["model.name"] == "tiny":
+        fields |= {"tiny": identity["model.tiny"], "seed": identity["model.seed"]}
+    return ModelConfig.model_validate(fields)
+
+
+def _adapters(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's adapter tensors, checked against the names and shapes its fingerprint lists."""
+    tensors = checkpoint.read_model_tensors(root)
+    listed = {n: shape for n, shape in meta["fingerprint"]["model"]["params"].items() if is_adapter_key(n)}
+    found = {n: list(t.shape) for n, t in tensors.items()}
+    if found != listed or not listed:
+        raise ValueError(
+            f"checkpoint '{root}' does not hold the adapters its metadata lists (missing "
+            f"{sorted(set(listed) - set(found))[:5]}, unexpected {sorted(set(found) - set(listed))[:5]}). "
+            "The checkpoint is damaged or was edited"
+        )
+    return tensors
+
+
+def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
+    identity = meta["fingerprint"]["config"]
+    model_cfg = _base_config(identity)
+    base = load_full_model(model_cfg, build_tokenizer(model_cfg))
+    model = add_lora(base, LoraSettings(**identity["lora"]))
+    try:
+        fingerprint = {"model": checkpoint.model_fingerprint(model), "config": identity}
+        checkpoint.check_compatible(meta, fingerprint, root)
+    except ValueError as e:
+        raise ValueError(
+            f"the base model rebuilt from model.name={model_cfg.name!r} is not the one the adapters of "
+            f"'{root}' were trained on: {e}"
+        ) from None
+    model.load_state_dict(_adapters(root, meta), strict=False)  # the base's own weights stay
+    model = unload_merged(model)
+    if dtype is not None:
+        model.to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _write_adapter(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
+    identity = meta["fingerprint"]["config"]
+    config = LoraSettings(**identity["lora"]).peft_config()
+    config.base_model_name_or_path = identity["model.name"]
+    config.task_type = "CAUSAL_LM"
+    config.save_pretrained(out)
+    tensors = peft_state_dict(_adapters(root, meta).items())
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
