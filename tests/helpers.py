@@ -30,6 +30,25 @@ def assert_params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of every parameter (gathered from its shards: collective on a mesh)."""
+    from posttrain.parallel.mesh import full_tensor
+
+    return {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_only_adapters_moved(before: dict, after: dict) -> None:
+    """Every LoRA adapter tensor changed, every base tensor kept its exact value."""
+    from posttrain.models.lora import is_adapter_key
+
+    assert before.keys() == after.keys()
+    adapters = {n for n in before if is_adapter_key(n)}
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert adapters, "no adapter parameters"
+    assert adapters <= moved, f"adapters that did not move: {sorted(adapters - moved)}"
+    assert moved <= adapters, f"frozen parameters that moved: {sorted(moved - adapters)}"
+
+
 def small_run_policy() -> dict:
     """The policy section of the tiny GRPO runs of the loop tests (sync and async)."""
     return {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_tensor_parallel import LAYOUTS_2, PACKED, PADDED, _run_matrix
+from test_tensor_parallel import LAYOUTS_2, LORA, PACKED, PADDED, _run_matrix
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,10 +23,12 @@ def test_two_gpus_match_one_gpu(layout):
         for loss in ("pg_token", "pg_seq", "nll")
         for mb in (PADDED, PACKED)
     ]
-    _run_matrix(2, scenarios, rows=8, tol=1e-4)
+    scenarios.append({**LORA, "parallel": LAYOUTS_2[layout], "microbatch": PACKED})
+    _run_matrix(2, scenarios, tol=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_four_gpus_dp2_tp2_match_one_gpu():
     scenarios = [{"parallel": {"tensor_parallel_size": 2}, "microbatch": mb} for mb in (PADDED, PACKED)]
-    _run_matrix(4, scenarios, rows=4, tol=1e-4)
+    scenarios.append({**LORA, "parallel": {"tensor_parallel_size": 2}, "microbatch": PACKED})
+    _run_matrix(4, scenarios, tol=1e-4)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 
 from conftest import random_batch
-from helpers import assert_params_close, params_of, policy_cfg
+from helpers import assert_only_adapters_moved, assert_params_close, full_params, params_of, policy_cfg
 from posttrain.algorithms.losses import ClippedPGLoss, NLLLoss
 from posttrain.policy.policy import Policy
+from posttrain.policy.worker import PolicyWorker
 
 LOSSES = {
     "pg_token": lambda: ClippedPGLoss(reference_policy_kl_penalty=0.05),
@@ -94,3 +98,52 @@ def test_two_ray_ranks_fsdp2_match_one_local_rank(loss_name, ray_session):
 def test_parallel_options_do_not_change_the_step(parallel):
     ref = one_step("pg_token")
     assert_same_step(ref, one_step("pg_token", parallel=parallel))
+
+
+LORA = {"rank": 4, "alpha": 8}
+
+
+def lora_steps(split_step: bool = False, rebuild_comms: bool = False, **cfg_overrides):
+    """Two SGD steps of a LoRA policy on one local rank (B starts at zero, so only the second moves A);
+    checks that they moved every adapter and nothing else, and that the reference (adapters disabled) is
+    still the model before the steps. Returns (metrics of the second step, merged weights)."""
+    worker = PolicyWorker(policy_cfg(optimizer=SGD, lora=LORA, **cfg_overrides))
+    if rebuild_comms:
+        worker.teardown_comms()
+        worker.rebuild_comms()
+    batch = random_batch(8, 16, rl=True)
+    before, logprobs_before = full_params(worker.model), worker.get_logprobs(batch)
+    for _ in range(2):
+        if not split_step:
+            metrics = worker.train(batch, LOSSES["pg_token"]())
+            continue
+        worker.begin_train_step(LOSSES["pg_token"]())
+        worker.train_microbatch(batch[:4])
+        worker.train_microbatch(batch[4:])
+        metrics = worker.finish_train_step()
+    assert_only_adapters_moved(before, full_params(worker.model))
+    torch.testing.assert_close(worker.get_reference_policy_logprobs(batch), logprobs_before)
+    return metrics, worker.full_state_dict()
+
+
+@functools.cache
+def plain_lora_steps():
+    return lora_steps()
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"microbatch": {"mode": "packed", "max_tokens": 40}},
+        {"microbatch": {"mode": "dynamic", "max_tokens": 40}},
+        {"parallel": {"activation_checkpointing": True}},
+        {"parallel": {"fsdp_cpu_offload": True}},
+        {"split_step": True},
+        {"parallel": {"fsdp": "always"}, "rebuild_comms": True},
+    ],
+    ids=["packed", "dynamic", "activation_checkpointing", "fsdp_cpu_offload", "split_step", "rebuild_comms"],
+)
+def test_lora_features_do_not_change_the_step(feature):
+    """A LoRA step with each feature is the plain one-rank LoRA step (the frozen embedding under
+    activation checkpointing, frozen parameters under FSDP2 and its CPU offload)."""
+    assert_same_step(plain_lora_steps(), lora_steps(**feature))

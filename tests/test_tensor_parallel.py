@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import random_batch
-from helpers import assert_params_close, policy_cfg
+from helpers import assert_only_adapters_moved, assert_params_close, full_params, policy_cfg
 from posttrain.checkpoint import read_metadata
 from posttrain.data import microbatch
 from posttrain.data.batch import shard_batch
@@ -24,8 +24,13 @@ from test_invariance import LOSSES, SGD
 
 PADDED = {"train_micro_batch_size": 3, "logprob_micro_batch_size": 3}
 PACKED = {"mode": "packed", "max_tokens": 40}
+DYNAMIC = {"mode": "dynamic", "max_tokens": 40}
 WINDOWED = {"tiny": {"family": "mistral", "sliding_window": 5}}
 WINDOW_10 = {"tiny": {"family": "mistral", "sliding_window": 10}}  # between a row / tp and a row
+# LoRA adapters and two steps: B starts at zero, so A's gradient is zero in the first step and only the
+# second moves A (on a tensor-parallel mesh A and B are sharded differently: both must move alike)
+LORA = {"lora": {"rank": 4, "alpha": 8}, "steps": 2}
+LORA_ADAPTERS = {"lora": {"rank": 4, "alpha": 8, "engine": "adapters"}, "steps": 2}
 
 
 def _batch(sc: dict):
@@ -50,7 +55,7 @@ def _plans(sc: dict):
         microbatch.GROUPED_ROW_MAX = saved
 
 
-SCENARIO_ONLY = ("loss", "split_api", "shared_prompts", "two_call", "rebuild_comms")
+SCENARIO_ONLY = ("loss", "split_api", "shared_prompts", "two_call", "rebuild_comms", "steps")
 
 
 def _cfg(world: int, sc: dict) -> PolicyConfig:
@@ -61,12 +66,17 @@ def _cfg(world: int, sc: dict) -> PolicyConfig:
 
 def _reference_cfg(sc: dict) -> PolicyConfig:
     """The same step on one local rank: no parallel layout, default micro-batching."""
-    keep = {k: v for k, v in sc.items() if k in ("model", "optimizer", "logprob_temperature")}
+    keep = {k: v for k, v in sc.items() if k in ("model", "optimizer", "logprob_temperature", "lora")}
     keep.setdefault("optimizer", SGD)
     return policy_cfg(**keep)
 
 
 def _step(worker: PolicyWorker, batch, sc: dict) -> dict:
+    """`steps` (default 1) optimizer steps on `batch`; the metrics of the last."""
+    return [_one_step(worker, batch, sc) for _ in range(sc.get("steps", 1))][-1]
+
+
+def _one_step(worker: PolicyWorker, batch, sc: dict) -> dict:
     loss = LOSSES[sc.get("loss", "pg_token")]()
     if not sc.get("split_api"):
         return worker.train(batch, loss)
@@ -78,9 +88,12 @@ def _step(worker: PolicyWorker, batch, sc: dict) -> dict:
 
 
 def _outcome(worker: PolicyWorker, batch, metrics: dict) -> dict:
+    """Metrics, full (with LoRA: merged) weights, what an engine receives, logprobs, reference logprobs
+    (with LoRA: adapters disabled) and top-k after the step."""
     return {
         "metrics": metrics,
         "params": worker.full_state_dict(),
+        "engine": worker.engine_state_dict(),
         "logprobs": worker.get_logprobs(batch),
         "reference_logprobs": worker.get_reference_policy_logprobs(batch),
         "topk": worker.get_topk_logits(batch, 3),
@@ -97,8 +110,13 @@ def _scenarios_on_ranks(rank: int, world: int, port: int, scenarios: list[dict])
             worker.get_logprobs(shard)
             worker.teardown_comms()
             worker.rebuild_comms()
+        before = full_params(worker.model) if "lora" in sc else None
         with _plans(sc):
             result = _outcome(worker, shard, _step(worker, shard, sc))
+        if before is not None:  # gathered from the shards: every rank takes part
+            after = full_params(worker.model)
+            if rank == 0:
+                assert_only_adapters_moved(before, after)
         worker.teardown_comms()  # this scenario's groups are not needed again
         out.append(result if rank == 0 else None)
     return out
@@ -108,14 +126,16 @@ def _reference(sc: dict) -> dict:
     worker = PolicyWorker(_reference_cfg(sc))
     batch = _batch(sc)
     with _plans(sc):
-        return _outcome(worker, batch, _step(worker, batch, {"loss": sc.get("loss", "pg_token")}))
+        return _outcome(worker, batch, _step(worker, batch, {k: sc[k] for k in ("loss", "steps") if k in sc}))
 
 
 def assert_same_as_one_rank(ref: dict, got: dict, rows: int, tol: float = 1e-5) -> None:
-    """Metrics and parameters within `tol` (1e-5: fp32 on CPU); logprobs and top-k on `rows` rows."""
+    """Metrics, parameters and engine weights within `tol` (1e-5: fp32 on CPU); logprobs and top-k on
+    `rows` rows."""
     for k in ("loss", "grad_norm", "global_valid_toks", "global_valid_seqs"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=tol, abs=1e-7), k
-    assert_params_close(ref["params"], got["params"], rtol=tol, atol=tol / 10)
+    for k in ("params", "engine"):
+        assert_params_close(ref[k], got[k], rtol=tol, atol=tol / 10)
     for k in ("logprobs", "reference_logprobs"):
         torch.testing.assert_close(got[k], ref[k][:rows], rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
     (v_ref, i_ref), (v, i) = ref["topk"], got["topk"]
@@ -123,17 +143,27 @@ def assert_same_as_one_rank(ref: dict, got: dict, rows: int, tol: float = 1e-5) 
     assert torch.equal(i, i_ref[:rows])
 
 
-def _run_matrix(world: int, scenarios: list[dict], rows: int, tol: float = 1e-5) -> None:
+def _rows(world: int, sc: dict) -> int:
+    """The rows of the 8-row batch that rank 0 holds: its data-parallel shard."""
+    par = sc.get("parallel", {})
+    return 8 * par.get("tensor_parallel_size", 1) * par.get("context_parallel_size", 1) // world
+
+
+def _run_matrix(world: int, scenarios: list[dict], tol: float = 1e-5) -> None:
+    """Every scenario on `world` ranks (one spawn) against the same step on one rank."""
     results = run_ranks(world, _scenarios_on_ranks, scenarios)[0]
     refs: dict[str, dict] = {}
     for sc, got in zip(scenarios, results):
         key = repr(
-            (_reference_cfg(sc).model_dump(), sc.get("loss"), sc.get("shared_prompts"), sc.get("two_call"))
+            (
+                _reference_cfg(sc).model_dump(),
+                *(sc.get(k) for k in ("loss", "shared_prompts", "two_call", "steps")),
+            )
         )
         if key not in refs:
             refs[key] = _reference(sc)
         try:
-            assert_same_as_one_rank(refs[key], got, rows, tol)
+            assert_same_as_one_rank(refs[key], got, _rows(world, sc), tol)
         except AssertionError as e:
             raise AssertionError(f"scenario {sc}: {e}") from e
 
@@ -148,14 +178,22 @@ LAYOUTS_2 = {
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_tp_sp_cp_match_one_rank():
-    """TP=2, TP=2+SP and CP=2, each for token- and sequence-level clipped PG and NLL, padded and packed."""
+    """TP=2, TP=2+SP and CP=2, each for token- and sequence-level clipped PG and NLL, padded and packed;
+    LoRA on each of them and on dp=2 (FSDP2): the same merged weights and adapters, and only the
+    adapters move."""
     scenarios = [
         {"parallel": par, "microbatch": mb, "loss": loss}
         for par in LAYOUTS_2.values()
         for loss in LOSSES
         for mb in (PADDED, PACKED)
     ]
-    _run_matrix(2, scenarios, rows=8)
+    lora = [
+        {**LORA, "parallel": LAYOUTS_2["tp2"], "microbatch": PADDED},
+        {**LORA_ADAPTERS, "parallel": LAYOUTS_2["tp2_sp"], "microbatch": PACKED, "loss": "pg_seq"},
+        {**LORA, "parallel": LAYOUTS_2["cp2"], "microbatch": PACKED},
+        {**LORA_ADAPTERS, "parallel": {}, "microbatch": PACKED, "loss": "nll"},  # dp=2
+    ]
+    _run_matrix(2, scenarios + lora)
 
 
 @pytest.mark.distributed
@@ -164,13 +202,14 @@ def test_two_ranks_features_match_one_rank():
     """What works on one rank works on the mesh: split step, dynamic batching, activation checkpointing,
     FSDP CPU offload, tied embeddings, Qwen3 (per-head q/k norms), Gemma, Mistral (with a sliding window
     shorter than the rows), temperature, shared-prompt batches (both shared-prefix plans under TP; off
-    under CP)."""
+    under CP); LoRA with activation checkpointing, CPU offload and the split step, on a tied embedding and
+    on Qwen3, whose frozen norms stay frozen."""
     tp2, sp, cp2 = LAYOUTS_2["tp2"], LAYOUTS_2["tp2_sp"], LAYOUTS_2["cp2"]
     scenarios = [
         {"parallel": tp2, "microbatch": PADDED, "split_api": True},
         {"parallel": cp2, "microbatch": PACKED, "split_api": True, "loss": "pg_seq"},
-        {"parallel": sp, "microbatch": {"mode": "dynamic", "max_tokens": 40}},
-        {"parallel": cp2, "microbatch": {"mode": "dynamic", "max_tokens": 40}},
+        {"parallel": sp, "microbatch": DYNAMIC},
+        {"parallel": cp2, "microbatch": DYNAMIC},
         {"parallel": {**sp, "activation_checkpointing": True}, "microbatch": PACKED},
         {"parallel": {**cp2, "activation_checkpointing": True}, "microbatch": PADDED},
         {"parallel": {**tp2, "fsdp_cpu_offload": True}, "microbatch": PADDED},
@@ -191,32 +230,35 @@ def test_two_ranks_features_match_one_rank():
         {"parallel": cp2, "microbatch": PACKED, "model": WINDOWED},
         {"parallel": sp, "microbatch": PACKED, "model": WINDOWED},
         {"parallel": sp, "microbatch": PADDED, "model": WINDOWED},  # window 5 <= 16 / tp
-        {"parallel": sp, "microbatch": {"mode": "dynamic", "max_tokens": 40}, "model": WINDOW_10},
+        {"parallel": sp, "microbatch": DYNAMIC, "model": WINDOW_10},
         {"parallel": cp2, "microbatch": PADDED, "logprob_temperature": 0.7, "loss": "pg_seq"},
+        {**LORA, "parallel": {**sp, "activation_checkpointing": True}, "microbatch": DYNAMIC},
+        {**LORA, "parallel": {**tp2, "fsdp_cpu_offload": True}, "microbatch": PADDED, "split_api": True},
+        {**LORA, "parallel": {**cp2, "activation_checkpointing": True}, "microbatch": PADDED},
+        {**LORA, "parallel": sp, "microbatch": PADDED, "model": {"tiny": {"tie_word_embeddings": True}}},
+        {**LORA, "parallel": sp, "microbatch": PACKED, "model": {"tiny": {"family": "qwen3"}}},
     ]
-    _run_matrix(2, scenarios, rows=8)
+    _run_matrix(2, scenarios)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_four_ranks_dp2_tp2_and_cp2_tp2_match_one_rank():
     """dp=2 x tp=2 for every loss, padded and packed; cp=2 x tp=2 + SP, dp=2 x cp=2 and dp=2 x tp=2 + SP
-    after a teardown and rebuild of every communicator of the mesh."""
-    scenarios = [
-        {"parallel": {"tensor_parallel_size": 2}, "microbatch": mb, "loss": loss}
-        for loss in LOSSES
-        for mb in (PADDED, PACKED)
-    ]
-    _run_matrix(4, scenarios, rows=4)
+    after a teardown and rebuild of every communicator of the mesh; LoRA on dp=2 x tp=2 and, after a
+    rebuild, on cp=2 x tp=2 + SP."""
+    dp_tp = {"tensor_parallel_size": 2}
     cp_tp = {"tensor_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True}
     dp_cp = {"context_parallel_size": 2}
     dp_tp_sp = {"tensor_parallel_size": 2, "sequence_parallel": True}
-    _run_matrix(
-        4, [{"parallel": cp_tp, "microbatch": PACKED, "loss": "pg_seq", "rebuild_comms": True}], rows=8
-    )
-    _run_matrix(
-        4, [{"parallel": p, "microbatch": PACKED, "rebuild_comms": True} for p in (dp_cp, dp_tp_sp)], rows=4
-    )
+    scenarios = [
+        *({"parallel": dp_tp, "microbatch": mb, "loss": loss} for loss in LOSSES for mb in (PADDED, PACKED)),
+        {"parallel": cp_tp, "microbatch": PACKED, "loss": "pg_seq", "rebuild_comms": True},
+        *({"parallel": p, "microbatch": PACKED, "rebuild_comms": True} for p in (dp_cp, dp_tp_sp)),
+        {**LORA_ADAPTERS, "parallel": dp_tp, "microbatch": PACKED},
+        {**LORA, "parallel": cp_tp, "microbatch": PADDED, "rebuild_comms": True},
+    ]
+    _run_matrix(4, scenarios)
 
 
 # ------------------------------------------------------------------ checkpoints, export, sync, comms
@@ -406,11 +448,19 @@ def _tiny_phi(path) -> str:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_model_type_with_only_an_hf_plan_uses_it(tmp_path):
+    """Phi's own plan, padded and packed; and with LoRA on two of its layers, where the plan's `layers.*`
+    patterns also name the layers LoRA left alone."""
     model = {"name": _tiny_phi(tmp_path / "phi"), "tokenizer": "tiny"}
+    tp2 = {"tensor_parallel_size": 2}
+    some = {
+        **LORA["lora"],
+        "target_modules": r"model\.layers\.0\.self_attn\.q_proj|model\.layers\.1\.mlp\.fc2",
+    }
     scenarios = [
-        {"parallel": {"tensor_parallel_size": 2}, "microbatch": mb, "model": model} for mb in (PADDED, PACKED)
+        *({"parallel": tp2, "microbatch": mb, "model": model} for mb in (PADDED, PACKED)),
+        {**LORA, "lora": some, "parallel": tp2, "microbatch": PADDED, "model": model},
     ]
-    _run_matrix(2, scenarios, rows=8)
+    _run_matrix(2, scenarios)
 
 
 def test_sequence_parallel_needs_a_plan_of_ours(tmp_path):

@@ -165,6 +165,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     """Shard `model` over `tp_mesh` in place (see the module docstring); returns it."""
     hf_plan = _tp_plan(model.config, sequence_parallel)
     check_tp_divides(model.config, tp_mesh.size())
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     # DTensor logs each (dp_cp, tp) grad-norm or full-tensor gather that takes two collectives instead
     # of one over a flattened mesh: a few scalar reductions per step, not worth a line per step per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -186,23 +187,46 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     )
     tie_lm_head(model)  # both are sharded on the vocabulary (dim 0 of the weight)
     _replicate_the_rest(model, tp_mesh, sequence_parallel)
+    _refreeze(model, frozen)
     return model
 
 
+def _refreeze(model: torch.nn.Module, frozen: list[str]) -> None:
+    """Parameters that were frozen before sharding stay frozen (LoRA's base): torch's `SequenceParallel`
+    re-registers the norms' weights as new parameters, which require gradients."""
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+
+
 def _with_adapters(root: torch.nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """`plan` with each entry that names LoRA layers split into its base layer and its two adapters
-    (see the module docstring)."""
-    adapted = list(lora_layers(root))
+    """`plan` with each LoRA layer's entry split into its base layer and its two adapters (see the module
+    docstring). A pattern key (`layers.*.mlp.fc1`) that names adapted layers is expanded into the modules
+    it names, so that layers it also names but LoRA left alone (a `target_modules` regex that picks some
+    layers) keep the key's style."""
+    adapted = set(lora_layers(root))
     if not adapted:
         return plan
+    names = [name for name, _ in root.named_modules()]
     out: dict[str, ParallelStyle] = {}
     for key, style in plan.items():
-        if not any(fnmatch.fnmatch(name, key) for name in adapted):
+        matched = [name for name in names if _names(name, key)]
+        if not adapted.intersection(matched):
             out[key] = style
             continue
-        out[f"{key}.base_layer"] = style
-        out[f"{key}.lora_A.{ADAPTER}"], out[f"{key}.lora_B.{ADAPTER}"] = _adapter_styles(style)
+        for name in matched:
+            if name not in adapted:
+                out[name] = style
+                continue
+            out[f"{name}.base_layer"] = style
+            out[f"{name}.lora_A.{ADAPTER}"], out[f"{name}.lora_B.{ADAPTER}"] = _adapter_styles(style)
     return out
+
+
+def _names(name: str, key: str) -> bool:
+    """Whether plan `key` names module `name`, matched one dotted part at a time as `parallelize_module`
+    does (`*` does not cross a dot)."""
+    parts, atoms = name.split("."), key.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms))
 
 
 def _adapter_styles(style: ParallelStyle) -> tuple[ParallelStyle, ParallelStyle]:
