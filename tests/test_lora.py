@@ -114,6 +114,11 @@ def test_target_names_that_match_no_linear_layer_are_refused_naming_the_layers_t
         Policy(policy_cfg(lora={"target_modules": ["qproj"]}))
     model = add_lora(build_tiny_model(VOCAB), LoraSettings(target_modules="q_proj"))
     assert sorted(scalings(model)) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    # a regular expression is peft's: over full module paths; the LM head stays frozen there too
+    model = add_lora(build_tiny_model(VOCAB), LoraSettings(target_modules=r".*layers\.1\..*_proj"))
+    assert len(scalings(model)) == 7 and all(".layers.1." in n for n in scalings(model))
+    with pytest.raises(ValueError, match=r"adapts \['lm_head'\]: the embedding and LM head stay frozen"):
+        add_lora(build_tiny_model(VOCAB), LoraSettings(target_modules="lm_head|.*q_proj"))
 
 
 # ---------------------------------------------------------------------------- merge and peft's files

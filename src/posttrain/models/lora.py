@@ -20,6 +20,7 @@ that leave the base weights untouched are offered (PiSSA/OLoRA rewrite the base,
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Literal
@@ -43,8 +44,9 @@ class LoraSettings(Config):
     target_modules: str | list[str] = Field(
         ALL_LINEAR,
         description="names of the linear layers to adapt (e.g. [q_proj, v_proj]; one name may be given "
-        "bare), each matching at least one layer, or 'all-linear' (every linear layer of the decoder, not "
-        "the LM head)",
+        "bare), each matching at least one layer; 'all-linear' (every linear layer of the decoder, not "
+        "the LM head); or a regular expression over full module paths, as peft reads one "
+        "(e.g. '.*layers\\.0\\..*_proj')",
     )
     init: Literal["default", "gaussian"] = Field(
         "default", description="A's initialization (B starts at zero either way): kaiming-uniform or gaussian"
@@ -60,7 +62,7 @@ class LoraSettings(Config):
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, str) and v != ALL_LINEAR:
+        if isinstance(v, str) and re.fullmatch(r"\w+", v) and v != ALL_LINEAR:
             v = [v]  # one module name (peft would read a bare string as a regex over full module paths)
         names = [v] if isinstance(v, str) else v
         if not names:
@@ -102,9 +104,16 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
             peft.inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
         except ValueError as e:
             raise ValueError(
-                f"policy.lora.target_modules={settings.target_modules!r} does not fit this model ({e}); "
-                "name linear layers of its decoder (e.g. q_proj, v_proj) or use all-linear"
+                f"policy.lora.target_modules={settings.target_modules!r} does not fit this model (peft: "
+                f"{str(e).splitlines()[0][:160]}); name linear layers of its decoder (e.g. q_proj, v_proj) "
+                "or use all-linear"
             ) from None
+    frozen_only = [n for n in lora_layers(model) if n.rsplit(".", 1)[-1] in _NOT_TARGETS]
+    if frozen_only:
+        raise ValueError(
+            f"policy.lora.target_modules={settings.target_modules!r} adapts {frozen_only}: the embedding and "
+            "LM head stay frozen; narrow the expression to the decoder's linear layers (or use all-linear)"
+        )
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     return model
