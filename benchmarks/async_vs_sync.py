@@ -90,7 +90,7 @@ def make_cfg(out: str, steps: int, staleness: int, new_tokens: int) -> AsyncGRPO
                 "max_in_flight_per_worker": 2 * ENGINE_SEQS // GENERATIONS,
             },
             "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1},
-            "checkpointing": {"enabled": False, "resume": "never"},
+            "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
             "logging": {"progress_bar": False},
             "output_dir": out,
         },

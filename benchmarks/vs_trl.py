@@ -181,7 +181,7 @@ def posttrain_config(s, init: Path, out: Path, seed: int, source: dict, max_new_
                 "val_at_start": False,
                 "seed": seed,
             },
-            "checkpointing": {"enabled": False, "resume": "never"},
+            "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
             "logging": {"progress_bar": False},
             "output_dir": str(out),
         }

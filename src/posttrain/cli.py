@@ -10,11 +10,18 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from posttrain.config import ConfigError, load_config
 
 console = Console()
+
+
+def _shown(result: dict[str, float], names: dict[str, str]) -> str:
+    """`label value` for each metric the run returned (a run resumed with nothing left to train has
+    only its checkpoint's)."""
+    return "".join(f"{label} {result[k]:.3f}, " for k, label in names.items() if k in result)
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -32,12 +39,10 @@ def _sft(args: argparse.Namespace) -> int:
 def _grpo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 
-    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    cfg = load_config(GRPOConfig, args.config, args.overrides + _overwrite(args))
     result = run_grpo(cfg)
-    console.print(
-        f"[bold green]GRPO done[/]: reward {result.get('reward', float('nan')):.3f}, held-out accuracy "
-        f"{result.get('val/accuracy', float('nan')):.3f}; outputs in {cfg.output_dir}"
-    )
+    shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
+    console.print(f"[bold green]GRPO done[/]: {shown}outputs in {cfg.output_dir}")
     return 0
 
 
@@ -45,15 +50,20 @@ def _grpo_async(args: argparse.Namespace) -> int:
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.async_grpo.run import run_async_grpo
 
-    cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides)
+    cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides + _overwrite(args))
     result = run_async_grpo(cfg)
-    console.print(
-        f"[bold green]asynchronous GRPO done[/]: {result.get('summary/steps', 0):.0f} steps, reward "
-        f"{result.get('reward', float('nan')):.3f}, held-out accuracy {result.get('val/accuracy', float('nan')):.3f}, "
-        f"{result.get('summary/groups_trained', 0):.0f} groups trained, "
-        f"{result.get('summary/dead_workers', 0):.0f} rollout worker(s) lost; outputs in {cfg.output_dir}"
-    )
+    shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
+    if "summary/steps" in result:
+        shown = (
+            f"{result['summary/steps']:.0f} steps, {shown}{result['summary/groups_trained']:.0f} groups "
+            f"trained, {result['summary/dead_workers']:.0f} rollout worker(s) lost, "
+        )
+    console.print(f"[bold green]asynchronous GRPO done[/]: {shown}outputs in {cfg.output_dir}")
     return 0
+
+
+def _overwrite(args: argparse.Namespace) -> list[str]:
+    return ["checkpointing.resume=never", "checkpointing.overwrite=true"] if args.overwrite else []
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -123,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
+        if name.startswith("grpo"):
+            p.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="start over: delete the run in output_dir (checkpoints, metrics, curves, config) first",
+            )
         p.set_defaults(func=fn)
     p = sub.add_parser(
         "export", help="consolidate a checkpoint into a Hugging Face directory (LoRA: merged, or --adapter)"
@@ -158,6 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a user's mistake: the message says how to fix it
         console.print(f"[bold red]error[/]: {e}")
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the training loop
+        console.print(
+            "[bold yellow]aborted[/] (Ctrl-C): the step in progress is lost; checkpointing.resume=auto "
+            "continues from the run's newest checkpoint, if it has one"
+        )
+        return 130
+    except Exception as e:
+        from posttrain.algorithms.runs import RunInterrupted
+
+        if not isinstance(e, RunInterrupted):
+            raise
+        console.print(f"[bold yellow]stopped[/]: {escape(str(e))}")  # Ctrl-C, at a step: says how to go on
+        return 130
 
 
 if __name__ == "__main__":

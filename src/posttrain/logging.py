@@ -36,6 +36,9 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
+log = get_logger(__name__)
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
         value = value.item()
@@ -50,9 +53,38 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def trim_metrics(path: Path, step: int) -> int:
+    """Keep the rows of a metrics.jsonl up to `step` (and drop a line cut short by a kill), rewriting the
+    file atomically; returns how many rows were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsLogger:
-    """Writes one JSON object per `log()` call to `<run_dir>/metrics.jsonl` (appending when a run resumes,
-    else starting the file afresh); mirrors scalars to TensorBoard / W&B when enabled."""
+    """Writes one JSON object per `log()` call to `<run_dir>/metrics.jsonl`; mirrors scalars to
+    TensorBoard / W&B when enabled. A fresh run starts the file afresh; a run resumed at `resume_step`
+    keeps the rows up to that step, drops later ones (logged after the checkpoint it resumes from, by
+    the run that went on from there) and appends, so each step appears once however often it resumes."""
 
     def __init__(
         self,
@@ -60,12 +92,21 @@ class MetricsLogger:
         tensorboard: bool = False,
         wandb_project: str | None = None,
         run_name: str | None = None,
-        append: bool = False,
+        resume_step: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a" if append else "w")
+        if resume_step is not None:
+            dropped = trim_metrics(self.path, resume_step)
+            if dropped:
+                log.warning(
+                    "%s: dropped %d row(s) after step %d, the step resumed from",
+                    self.path,
+                    dropped,
+                    resume_step,
+                )
+        self._file = self.path.open("w" if resume_step is None else "a")
         self._tb = None
         self._wandb = None
         if tensorboard:
@@ -73,7 +114,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - depends on optional package
                 raise ValueError("logging.tensorboard=true needs `pip install tensorboard`") from e
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            purge = None if resume_step is None else resume_step + 1  # TensorBoard drops later events too
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
         if wandb_project:
             try:
                 import wandb

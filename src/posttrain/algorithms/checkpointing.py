@@ -3,7 +3,8 @@
 Checkpoints live in `<dir>/step_<N>/` (written atomically by `Policy.save_checkpoint`). The loop's own
 state (step, data position, controller state, the loop config) goes into the checkpoint's extra
 state. `resume: auto` continues from the newest complete checkpoint if there is one, `never` starts
-fresh, and a path resumes from exactly that checkpoint.
+fresh (over a previous run only with `overwrite`, which deletes it: algorithms/runs.py), and a path
+resumes from exactly that checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class CheckpointingConfig(Config):
     metric_name: str | None = Field(None, description="metric ranking checkpoints, e.g. 'val/accuracy'")
     higher_is_better: bool = True
     resume: str = Field("auto", description="'auto' (newest if any), 'never', or a checkpoint path")
+    overwrite: bool = Field(
+        False,
+        description="with resume='never': delete a previous run in the output directory (checkpoints, "
+        "metrics.jsonl, curves.png, config.yaml) and start over, instead of refusing (CLI: --overwrite)",
+    )
 
 
 def _step_of(path: Path) -> int:
@@ -128,19 +134,19 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume_config(
     saved: dict[str, Any], current: dict[str, Any], may_change: tuple[str, ...] = ()
-) -> None:
+) -> list[tuple[str, Any, Any]]:
     """Refuse to resume when a setting that shapes the trajectory changed; list each differing key.
 
-    `may_change`: dotted keys that a resumed run may set differently (e.g. the number of steps)."""
+    `may_change`: dotted keys that a resumed run may set differently (e.g. the number of steps); returns
+    those that differ as (key, checkpoint's value, current value)."""
     a, b = _flatten(saved), _flatten(current)
-    diffs = [
-        f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and k not in may_change
-    ]
-    if diffs:
+    differ = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    refused = [f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in differ if k not in may_change]
+    if refused:
         raise ValueError(
             "cannot resume: the run's config differs from the checkpoint's:\n  "
-            + "\n  ".join(diffs)
-            + "\nuse the checkpoint's values, or checkpointing.resume=never to start fresh"
+            + "\n  ".join(refused)
+            + "\nuse the checkpoint's values, choose another output_dir, or start over in this one with "
+            "--overwrite (checkpointing.resume=never checkpointing.overwrite=true: deletes this run)"
         )
+    return [(k, a.get(k), b.get(k)) for k in differ if k in may_change]

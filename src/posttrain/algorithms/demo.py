@@ -68,7 +68,7 @@ def _default_grpo() -> GRPOConfig:
                 "val_period": 50,
             },
             "colocated": False,
-            "checkpointing": {"enabled": False, "resume": "never"},
+            "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
         }
     )
 

@@ -22,7 +22,16 @@ from pydantic import Field
 from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.grpo_config import GRPORunSections
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
-from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
+from posttrain.algorithms.runs import (
+    RunInterrupted,
+    StopOnInterrupt,
+    check_fresh_start,
+    interrupted,
+    optimizer_view,
+    resume,
+    start_history,
+    start_run,
+)
 from posttrain.envs.build import EnvSuite
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
@@ -58,8 +67,16 @@ class GRPOConfig(GRPORunSections):
 
 # Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
 RESUME_KEYS = ("grpo", "sampling", "task", "env", "loss")
-# ... except these, which a resumed run may change.
-RESUME_MAY_CHANGE = ("grpo.max_num_steps", "grpo.max_num_epochs", "grpo.val_period", "grpo.val_at_start")
+# ... except these, which a resumed run may change (each change is logged).
+RESUME_MAY_CHANGE = (
+    "grpo.max_num_steps",
+    "grpo.max_num_epochs",
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "grpo.val_max_prompts",
+    "grpo.val_num_generations",
+    "policy.optimizer.lr",
+)
 
 
 @dataclass
@@ -100,35 +117,56 @@ class Run:
 
 
 def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
-    """Train with GRPO; returns the final metrics (including the last validation)."""
+    """Train with GRPO; returns the final metrics (including the last validation). Ctrl-C stops after
+    the current step, with a checkpoint there, by raising `RunInterrupted`."""
+    ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
+    check_fresh_start(cfg.output_dir, ckpt)
     run = setup(cfg, policy)
-    ckpt = CheckpointManager(cfg.checkpointing, run.out)
-    resume_from(run, ckpt)
-    write_config(run.out, cfg)
-    metrics_log = open_metrics(run.out, cfg.logging, resumed=run.step > 0)
+    last = resume_from(run, ckpt)  # the checkpoint's metrics: the result when nothing is left to train
+    metrics_log = start_history(run.out, cfg, ckpt, cfg.logging, run.step)
+    if run.step and run.step >= cfg.grpo.max_num_steps:
+        log.warning("the run is at step %d already: nothing to train (raise grpo.max_num_steps)", run.step)
     progress = StepProgress(
         cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar
     )
-    last: dict[str, float] = {}
+    saved = run.step  # the newest checkpoint's step
     try:
-        if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
-            last.update(validate(run))
-            metrics_log.log(last, 0)
-        while run.step < cfg.grpo.max_num_steps and run.task.train.epoch < cfg.grpo.max_num_epochs:
-            run.step += 1
-            metrics = grpo_step(run)
-            if cfg.grpo.val_period and run.step % cfg.grpo.val_period == 0 and run.task.eval is not None:
-                metrics.update(validate(run))
-            metrics_log.log(metrics, run.step)
-            progress.update(run.step, metrics)
-            last.update(metrics)
-            if ckpt.should_save(run.step, cfg.grpo.max_num_steps):
-                ckpt.save(run.policy, run.step, loop_state(run), metrics)
+        with StopOnInterrupt("grpo", cfg.checkpointing.enabled) as stop:
+            if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
+                last.update(validate(run))
+                metrics_log.log(last, 0)
+            while keeps_going(run) and not stop.requested:
+                run.step += 1
+                metrics = grpo_step(run)
+                if cfg.grpo.val_period and run.step % cfg.grpo.val_period == 0 and run.task.eval is not None:
+                    metrics.update(validate(run))
+                metrics_log.log(metrics, run.step)
+                progress.update(run.step, metrics)
+                last.update(metrics)
+                if ckpt.should_save(run.step, cfg.grpo.max_num_steps):
+                    ckpt.save(run.policy, run.step, loop_state(run), metrics)
+                    saved = run.step
+            if stop.requested and keeps_going(run):
+                raise stop_here(run, ckpt, saved, last)
     finally:
         progress.close()
         metrics_log.close()
     plot_metrics(metrics_log.path, run.out / "curves.png", episodes.CURVES)
     return last
+
+
+def keeps_going(run: Run) -> bool:
+    return run.step < run.cfg.grpo.max_num_steps and run.task.train.epoch < run.cfg.grpo.max_num_epochs
+
+
+def stop_here(run: Run, ckpt: CheckpointManager, saved: int, metrics: dict[str, float]) -> RunInterrupted:
+    """Ctrl-C: a checkpoint at the step the run stopped at (unless it has one), and the message."""
+    path = ckpt.root / f"step_{run.step}"
+    if not run.cfg.checkpointing.enabled or run.step == 0:
+        path = None
+    elif saved != run.step or not (path / "metadata.json").is_file():
+        path = ckpt.save(run.policy, run.step, loop_state(run), metrics)
+    return interrupted("grpo", run.step, run.cfg.grpo.max_num_steps, run.cfg.checkpointing, path)
 
 
 def grpo_step(run: Run) -> dict[str, float]:
@@ -379,18 +417,20 @@ def validate(run: Run) -> dict[str, float]:
 
 def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
     dumped = cfg.model_dump(mode="json")
-    return {k: dumped[k] for k in RESUME_KEYS}
+    return {k: dumped[k] for k in RESUME_KEYS} | {"policy": optimizer_view(cfg.policy)}
 
 
 def loop_state(run: Run) -> dict[str, Any]:
     return {"step": run.step, "train_data": run.task.train.state_dict(), "config": _resume_view(run.cfg)}
 
 
-def resume_from(run: Run, ckpt: CheckpointManager) -> None:
-    """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step)."""
+def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
+    """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step);
+    returns the metrics it was saved with ({} for a fresh start)."""
     extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE)
     if extra is None:
-        return
+        return {}
     run.step = int(extra["step"])
     run.task.train.load_state_dict(extra["train_data"])
     sync_weights(run)
+    return dict(extra.get("metrics", {}))

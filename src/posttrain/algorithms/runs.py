@@ -1,19 +1,24 @@
 """What every training run does before and around its loop, written once for SFT, sync and async GRPO:
 the output directory, the seed, the policy, tokenizer and task (`start_run`), finding and loading the
-checkpoint to continue from with its config check (`resume`), the config file (`write_config`, after
-the resume check, so a refused resume leaves the run's config as it was) and the metrics log
-(`open_metrics`, appending when the run continues).
+checkpoint to continue from with its config check (`resume`), and the run's history: one run per
+output directory (`check_fresh_start` refuses to start a new run over an old one without consent,
+`start_history` clears it with consent), config.yaml written after the resume check (a refused resume
+leaves the run's config as it was) and a metrics log holding each step once (rows after the resumed
+step are dropped). `StopOnInterrupt` turns Ctrl-C into a stop at the next step boundary.
 """
 
 from __future__ import annotations
 
+import shutil
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.algorithms.checkpointing import CheckpointManager, check_resume_config
+from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
 from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, get_logger
@@ -67,7 +72,9 @@ def resume(
 ) -> dict[str, Any] | None:
     """Load the checkpoint the manager picks (model, optimizer, RNG) and return its loop state, or None
     when the run starts fresh. Refuses a checkpoint whose loop config (`view`) differs outside
-    `may_change`, or whose loop state lacks the key `requires` (`hint` says what to do instead)."""
+    `may_change` (sections the checkpoint did not record are not compared), or whose loop state lacks
+    the key `requires` (`hint` says what to do instead); logs each key in `may_change` that differs.
+    The policy's learning rate is the config's (policy/worker.py), whatever the checkpoint's was."""
     path = ckpt.resume_path()
     if path is None:
         return None
@@ -75,14 +82,163 @@ def resume(
     extra = policy.load_checkpoint(str(path))
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
-    check_resume_config(extra.get("config", {}), view, may_change)
+    saved = extra.get("config", {})
+    changed = check_resume_config(saved, {k: v for k, v in view.items() if k in saved}, may_change)
     log.warning("resumed from %s at step %d", path, int(extra["step"]))
+    for key, old, new in changed:
+        log.warning("resuming with %s changed %r -> %r", key, old, new)
     return extra
+
+
+def optimizer_view(policy: PolicyConfig) -> dict[str, Any]:
+    """The policy settings a resumed run shares with its checkpoint, which restores the optimizer's and
+    the schedule's state (list `policy.optimizer.lr` in `may_change`: the worker applies a new one)."""
+    return {
+        "optimizer": policy.optimizer.model_dump(mode="json"),
+        "scheduler": [s.model_dump(mode="json") for s in policy.scheduler],
+    }
+
+
+# --------------------------------------------------------------------------- one run, one history
+
+RUN_FILES = ("metrics.jsonl", "config.yaml", "curves.png", "tb", "wandb")
+
+
+def previous_run(out: Path, ckpt: CheckpointManager) -> list[Path]:
+    """What a run left in `out` and in its checkpoint directory."""
+    found = [out / name for name in RUN_FILES if (out / name).exists()]
+    return found + (sorted(ckpt.root.glob("step_*")) if ckpt.root.is_dir() else [])
+
+
+def check_fresh_start(output_dir: str | Path, ckpt: CheckpointManager) -> None:
+    """`checkpointing.resume=never` over a previous run: refused unless `checkpointing.overwrite` consents
+    (the clearing itself waits for `start_history`, once the new run is built). Call it first."""
+    cfg, out = ckpt.cfg, Path(output_dir).absolute()
+    if cfg.overwrite and cfg.resume != "never":
+        log.warning("checkpointing.overwrite=true is ignored: it applies with checkpointing.resume=never")
+    found = previous_run(out, ckpt)
+    if cfg.resume != "never" or cfg.overwrite or not found:
+        return
+    shown = [str(p.relative_to(out)) if p.is_relative_to(out) else str(p) for p in found[:4]]
+    names = ", ".join(shown) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    raise ValueError(
+        f"{out} already holds a run ({names}); checkpointing.resume=never would start another one over it. "
+        "To delete it and start over, pass --overwrite (or set checkpointing.overwrite=true); to continue "
+        "it, use checkpointing.resume=auto; or choose another output_dir"
+    )
+
+
+def start_history(
+    out: Path, cfg: Config, ckpt: CheckpointManager, logging_cfg: LoggingConfig, resumed_step: int
+) -> MetricsLogger:
+    """After the resume check passed: a fresh start under `overwrite` deletes the previous run; then
+    config.yaml is written and the metrics log opened (a resumed run's keeps the rows up to
+    `resumed_step`)."""
+    if resumed_step:
+        _warn_later_checkpoints(ckpt, resumed_step)
+    elif ckpt.cfg.resume == "never" and ckpt.cfg.overwrite:
+        _delete(out, previous_run(out, ckpt))
+    elif (out / "metrics.jsonl").is_file():
+        log.warning("%s: no checkpoint to resume from; a fresh run replaces its metrics.jsonl", out)
+    write_config(out, cfg)
+    return open_metrics(out, logging_cfg, resumed_step or None)
+
+
+def _delete(out: Path, old: list[Path]) -> None:
+    for p in old:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    if old:
+        log.warning("checkpointing.overwrite: deleted the previous run in %s (%d entries)", out, len(old))
+
+
+def _warn_later_checkpoints(ckpt: CheckpointManager, resumed_step: int) -> None:
+    """Checkpoints after the one resumed from (resume=<path>) are another history's."""
+    steps = {p.name: int(p.name.split("_")[-1]) for p in ckpt.complete_checkpoints()}
+    later = [name for name, step in steps.items() if step > resumed_step]
+    if later:
+        log.warning(
+            "%s holds checkpoints after step %d, the step resumed from (%s): they belong to the run that went "
+            "on from there, and resume=auto picks the newest; delete them unless this run overwrites them",
+            ckpt.root,
+            resumed_step,
+            ", ".join(later),
+        )
 
 
 def write_config(out: Path, cfg: Config) -> None:
     (out / "config.yaml").write_text(dump_config(cfg))
 
 
-def open_metrics(out: Path, cfg: LoggingConfig, resumed: bool) -> MetricsLogger:
-    return MetricsLogger(out, cfg.tensorboard, cfg.wandb_project, append=resumed)
+def open_metrics(out: Path, cfg: LoggingConfig, resume_step: int | None) -> MetricsLogger:
+    """The run's metrics log: started afresh, or (`resume_step`) kept up to that step and appended to."""
+    return MetricsLogger(out, cfg.tensorboard, cfg.wandb_project, resume_step=resume_step)
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+class RunInterrupted(Exception):
+    """A run stopped at a step boundary after Ctrl-C; the message says what was saved and how to go on."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+class StopOnInterrupt:
+    """While active (in the main thread), the first Ctrl-C (SIGINT) only sets `requested`: the loop
+    finishes its step, saves and raises `RunInterrupted`. A second Ctrl-C aborts at once
+    (KeyboardInterrupt), without saving."""
+
+    def __init__(self, what: str, saves: bool) -> None:
+        self.what, self.saves = what, saves
+        self.requested = False
+        self._previous: Any = None
+        self._active = False
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle) or signal.default_int_handler
+            self._active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._active:
+            signal.signal(signal.SIGINT, self._previous)
+            self._active = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.requested = True
+        then = "saves a checkpoint and stops" if self.saves else "stops"
+        log.warning(
+            "Ctrl-C: %s finishes the current step, then %s (Ctrl-C again aborts now)", self.what, then
+        )
+
+
+def interrupted(
+    what: str, step: int, last_step: int | None, cfg: CheckpointingConfig | None, saved: Path | None
+) -> RunInterrupted:
+    """The `RunInterrupted` of a run stopped after `step` (of `last_step`) with a checkpoint `saved` there,
+    or none (`cfg` None: the run writes no checkpoints)."""
+    where = f"{what} interrupted " + (f"at step {step}" if step else "before its first step")
+    where += f" of {last_step}" if step and last_step else ""
+    if saved is not None and cfg is not None:
+        how = f"checkpoint saved: {saved}; to continue from it, run the same command again" + (
+            " (checkpointing.resume=auto)"
+            if cfg.resume == "auto"
+            else " with checkpointing.resume=auto (and without --overwrite)"
+        )
+    elif cfg is None:
+        how = "it writes no checkpoints, so nothing was saved; a new run starts over"
+    elif not cfg.enabled:
+        how = "no checkpoint saved (checkpointing.enabled=false); a new run starts over"
+    else:
+        how = "nothing to save yet; a new run starts over"
+    return RunInterrupted(f"{where}: {how}", step, saved)

@@ -12,7 +12,7 @@ import time
 from pydantic import Field
 
 from posttrain.algorithms.losses import NLLLoss
-from posttrain.algorithms.runs import open_metrics, start_run, write_config
+from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, start_run, write_config
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.envs.build import EnvConfig, EnvSuite
@@ -98,7 +98,8 @@ def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:
 
 
 def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
-    """Train; returns the last step's metrics plus the final held-out loss."""
+    """Train; returns the last step's metrics plus the final held-out loss. Ctrl-C stops after the current
+    step by raising `RunInterrupted` (SFT writes no checkpoints: nothing is saved)."""
     parts = start_run(cfg.output_dir, cfg.seed, cfg.policy, cfg.task, policy, cfg.env)
     out, policy, tokenizer, task = parts.out, parts.policy, parts.tokenizer, parts.task
     if isinstance(task, EnvSuite):
@@ -108,27 +109,32 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     write_config(out, cfg)
     pad_id = pad_token_id(tokenizer)
     heldout = heldout_examples(task, tokenizer)
-    metrics_log = open_metrics(out, cfg.logging, resumed=False)
+    metrics_log = open_metrics(out, cfg.logging, resume_step=None)
     progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
     batches = example_batches(examples, cfg.policy.train_global_batch_size, cfg.seed)
     last: dict[str, float] = {}
+    step = 0
     try:
-        for step in range(1, cfg.max_num_steps + 1):
-            t0 = time.perf_counter()
-            last = policy.train(to_batch(next(batches), pad_id), NLLLoss())
-            last["step_time_s"] = time.perf_counter() - t0
-            metrics_log.log(last, step, prefix="train")
-            shown = {f"train/{k}": v for k, v in last.items()}
-            if heldout and cfg.val_period and step % cfg.val_period == 0:
-                val = eval_loss(policy, heldout, pad_id)
-                metrics_log.log({"loss": val}, step, prefix="val")
-                shown["val/loss"] = val
-            progress.update(step, shown)
-        if heldout:
-            last["val_loss"] = eval_loss(policy, heldout, pad_id)
-            metrics_log.log({"loss": last["val_loss"]}, cfg.max_num_steps, prefix="val")
-        if cfg.save_final_model:
-            policy.save_hf(str(out / "hf"))
+        with StopOnInterrupt("sft", saves=False) as stop:
+            while step < cfg.max_num_steps and not stop.requested:
+                step += 1
+                t0 = time.perf_counter()
+                last = policy.train(to_batch(next(batches), pad_id), NLLLoss())
+                last["step_time_s"] = time.perf_counter() - t0
+                metrics_log.log(last, step, prefix="train")
+                shown = {f"train/{k}": v for k, v in last.items()}
+                if heldout and cfg.val_period and step % cfg.val_period == 0:
+                    val = eval_loss(policy, heldout, pad_id)
+                    metrics_log.log({"loss": val}, step, prefix="val")
+                    shown["val/loss"] = val
+                progress.update(step, shown)
+            if step < cfg.max_num_steps:
+                raise interrupted("sft", step, cfg.max_num_steps, None, None)
+            if heldout:
+                last["val_loss"] = eval_loss(policy, heldout, pad_id)
+                metrics_log.log({"loss": last["val_loss"]}, cfg.max_num_steps, prefix="val")
+            if cfg.save_final_model:
+                policy.save_hf(str(out / "hf"))
     finally:
         progress.close()
         metrics_log.close()

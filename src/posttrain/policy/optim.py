@@ -73,3 +73,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, stages: list[SchedulerStag
         total += s.steps
         milestones.append(total)
     return torch.optim.lr_scheduler.SequentialLR(optimizer, scheds, milestones)
+
+
+def set_base_lr(optimizer: torch.optim.Optimizer, scheduler, lr: float) -> float | None:
+    """Make `lr` the base learning rate of an optimizer and schedule restored from a checkpoint saved with
+    another: each group's current lr is rescaled (the schedule keeps its position, its factor applies
+    to the new base) and so are the schedule's base lrs. Returns the previous base (None: unchanged)."""
+    old = None
+    schedulers = [scheduler, *getattr(scheduler, "_schedulers", [])]
+    for i, group in enumerate(optimizer.param_groups):
+        base = group.get("initial_lr", group["lr"])
+        if base == lr:
+            continue
+        old = base
+        group["lr"] = lr * (group["lr"] / base)
+        group["initial_lr"] = lr
+        for s in schedulers:
+            if getattr(s, "base_lrs", None):
+                s.base_lrs[i] = lr
+            if getattr(s, "_last_lr", None):
+                s._last_lr[i] = group["lr"]
+    return old

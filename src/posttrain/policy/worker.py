@@ -48,7 +48,7 @@ from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
-from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.optim import build_optimizer, build_scheduler, set_base_lr
 from posttrain.policy.train_step import NonFiniteLossError, OpenStep, loss_normalizer, merge_step_metrics
 
 log = get_logger(__name__)
@@ -512,7 +512,8 @@ class PolicyWorker:
 
     @verb(*ON_DEVICE, collective=True)
     def load_checkpoint(self, path: str) -> dict:
-        """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state."""
+        """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state. The
+        learning rate is `optimizer.lr` of this policy's config, at the schedule's restored position."""
         self._check_lora_matches(path)
         info = checkpoint.load_checkpoint(
             path,
@@ -520,6 +521,7 @@ class PolicyWorker:
             identity=self._checkpoint_identity(),
             mesh=self.dims.sizes(),
         )
+        set_base_lr(self.optimizer, self.scheduler, self.cfg.optimizer.lr)
         self.trainer_version = info.trainer_version
         if self.lifecycle.phase == Phase.INFERENCE:  # loading put the optimizer state next to the params
             offload.move_optimizer_state(self.optimizer, torch.device("cpu"))

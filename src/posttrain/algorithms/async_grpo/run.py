@@ -46,7 +46,15 @@ from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
-from posttrain.algorithms.runs import open_metrics, resume, start_run, write_config
+from posttrain.algorithms.runs import (
+    StopOnInterrupt,
+    check_fresh_start,
+    interrupted,
+    optimizer_view,
+    resume,
+    start_history,
+    start_run,
+)
 from posttrain.data.normalization import LossFn
 from posttrain.envs.build import EnvSuite
 from posttrain.generation.engine import GenerationEngine
@@ -171,18 +179,29 @@ class AsyncRun:
     validator: Validator | None
     actors: list[Any] = field(default_factory=list)  # Ray actor handles (ray backend)
     resumed_step: int = 0
+    resumed_metrics: dict[str, float] = field(default_factory=dict)  # the checkpoint's
     own_policy: bool = True
 
 
 def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
     dumped = cfg.model_dump(mode="json")
     a = dumped["async_grpo"]
-    keys = ("max_staleness", "target_prompt_groups_per_step", "selection", "seed", "shuffle", "loss")
+    keys = (
+        "max_staleness",
+        "target_prompt_groups_per_step",
+        "selection",
+        "seed",
+        "shuffle",
+        "loss",
+        "num_steps",
+    )
     view = {k: dumped[k] for k in ("grpo", "sampling", "task", "env")}
-    return view | {"async_grpo": {k: a[k] for k in keys}}
+    return view | {"async_grpo": {k: a[k] for k in keys}, "policy": optimizer_view(cfg.policy)}
 
 
-RESUME_MAY_CHANGE = (
+RESUME_MAY_CHANGE = (  # each change is logged
+    "async_grpo.num_steps",
+    "policy.optimizer.lr",
     "grpo.val_period",
     "grpo.val_at_start",
     "grpo.val_max_prompts",
@@ -217,13 +236,12 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
 
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
-    weights, controller."""
+    weights, controller. The run's files (config, metrics) are `run_async_grpo`'s."""
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task, own_policy = parts.policy, parts.tokenizer, parts.task, parts.own_policy
     ckpt = CheckpointManager(cfg.checkpointing, parts.out)
-    hint = "resume it with `posttrain grpo`, or set checkpointing.resume=never"
+    hint = "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
     extra = resume(policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint)
-    write_config(parts.out, cfg)
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
@@ -259,8 +277,9 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
         controller.load_state_dict(extra["controller"])
     validator = _build_validator(cfg, task, tokenizer)
     step = int(extra["step"]) if extra is not None else 0
+    metrics = dict(extra.get("metrics", {})) if extra is not None else {}
     parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
-    run = AsyncRun(*parts, actors=actors, resumed_step=step, own_policy=own_policy)
+    run = AsyncRun(*parts, actors=actors, resumed_step=step, resumed_metrics=metrics, own_policy=own_policy)
     try:
         _push_initial_weights(run)
     except BaseException:
@@ -336,8 +355,14 @@ def check_failed_rewards(cfg: AsyncGRPORunConfig, step: int, metrics: dict[str, 
 OnStepHook = Callable[[AsyncRun, int, dict[str, float]], Awaitable[None] | None]
 
 
-async def train(run: AsyncRun, metrics_log: MetricsLogger, hook: OnStepHook | None = None) -> RunSummary:
-    """Validate at start, run the controller; after each step: log, validate, checkpoint, `hook`."""
+async def train(
+    run: AsyncRun,
+    metrics_log: MetricsLogger,
+    hook: OnStepHook | None = None,
+    stop: StopOnInterrupt | None = None,
+) -> RunSummary:
+    """Validate at start, run the controller; after each step: log, validate, checkpoint, `hook`; when
+    `stop` was requested (Ctrl-C), a checkpoint at that step (unless it has one), then `RunInterrupted`."""
     cfg, loop = run.cfg, run.cfg.grpo
     num_steps = cfg.async_grpo.num_steps
     fields = ("reward", "val/accuracy", "step_time_s")
@@ -366,6 +391,11 @@ async def train(run: AsyncRun, metrics_log: MetricsLogger, hook: OnStepHook | No
             result = hook(run, step, metrics)
             if inspect.isawaitable(result):
                 await result
+        if stop is not None and stop.requested and step != num_steps:
+            if cfg.checkpointing.enabled and saved[0] != step:
+                await save(step, metrics)
+            path = run.ckpt.root / f"step_{step}" if cfg.checkpointing.enabled else None
+            raise interrupted("grpo-async", step, num_steps, cfg.checkpointing, path)
 
     try:
         summary = await run.controller.run(on_step)
@@ -391,10 +421,24 @@ def summary_metrics(summary: RunSummary) -> dict[str, float]:
 def run_async_grpo(
     cfg: AsyncGRPORunConfig, policy: Policy | None = None, hook: OnStepHook | None = None
 ) -> dict[str, float]:
-    """Train with asynchronous GRPO; returns the last step's metrics plus the run summary."""
+    """Train with asynchronous GRPO; returns the last step's metrics plus the run summary. Ctrl-C stops
+    after the current step, with a checkpoint there, by raising `RunInterrupted`."""
+    ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
+    check_fresh_start(cfg.output_dir, ckpt)
     run = setup(cfg, policy)
     out = Path(cfg.output_dir)
-    metrics_log = open_metrics(out, cfg.logging, resumed=run.resumed_step > 0)
+    try:
+        metrics_log = start_history(out, cfg, ckpt, cfg.logging, run.resumed_step)
+    except BaseException:
+        close(run)
+        raise
+    num_steps = cfg.async_grpo.num_steps
+    if run.resumed_step and num_steps is not None and run.resumed_step >= num_steps:
+        step = run.resumed_step
+        log.warning("the run is at step %d already: nothing to train (raise async_grpo.num_steps)", step)
+        metrics_log.close()
+        close(run)
+        return dict(run.resumed_metrics)
     last: dict[str, float] = {}
 
     def keep_last(r: AsyncRun, step: int, metrics: dict[str, float]) -> Awaitable[None] | None:
@@ -402,7 +446,8 @@ def run_async_grpo(
         return hook(r, step, metrics) if hook is not None else None
 
     try:
-        summary = asyncio.run(train(run, metrics_log, keep_last))
+        with StopOnInterrupt("grpo-async", cfg.checkpointing.enabled) as stop:
+            summary = asyncio.run(train(run, metrics_log, keep_last, stop))
         for index, reason in summary.dead_workers.items():
             log.warning("rollout worker %d was lost during the run: %s", index, reason)
         final = summary_metrics(summary)
