@@ -183,7 +183,7 @@ def _sigint_at(step: int):
 def test_sigint_stops_a_sync_run_with_a_checkpoint_it_resumes_from(tmp_path):
     """A real Ctrl-C: SIGINT to a `posttrain grpo` process once it logged a step."""
     out = tmp_path / "run"
-    cfg = small_grpo_cfg(out, "grpo.max_num_steps=40", "checkpointing.save_period=100", "grpo.val_period=0")
+    cfg = small_grpo_cfg(out, "grpo.max_num_steps=500", "checkpointing.save_period=1000", "grpo.val_period=0")
     (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
     src = str(Path(posttrain.__file__).parents[1])
     env = os.environ | {"PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
@@ -201,10 +201,10 @@ def test_sigint_stops_a_sync_run_with_a_checkpoint_it_resumes_from(tmp_path):
     step = _steps(out)[-1]
     assert proc.returncode == 130, (stdout, stderr)
     assert "Traceback" not in stderr + stdout, stderr
-    assert f"grpo interrupted at step {step} of 40" in " ".join(stdout.split()), stdout
+    assert f"grpo interrupted at step {step} of 500" in " ".join(stdout.split()), stdout
     assert "step_" + str(step) in stdout.replace("\n", "") and "run the same command again" in stdout
-    assert _checkpoints(out) == [f"step_{step}"] and 1 <= step < 40
-    run_grpo(small_grpo_cfg(out, f"grpo.max_num_steps={step + 1}", "checkpointing.save_period=100"))
+    assert _checkpoints(out) == [f"step_{step}"] and 1 <= step < 500
+    run_grpo(small_grpo_cfg(out, f"grpo.max_num_steps={step + 1}", "checkpointing.save_period=1000"))
     assert _steps(out) == list(range(1, step + 2))
 
 
