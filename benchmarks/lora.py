@@ -134,7 +134,9 @@ def main() -> None:
     adapters_only = sync_cost(policy_for(lora, b, engine="adapters"), repeats)
 
     mib = 2**20
-    print(f"model {SHAPE}: {mem_full['n_total'] / 1e6:.1f}M parameters; LoRA rank {RANK} on all linear layers")
+    print(
+        f"model {SHAPE}: {mem_full['n_total'] / 1e6:.1f}M parameters; LoRA rank {RANK} on all linear layers"
+    )
     print(f"batch {b}x{t}, threads {torch.get_num_threads()}, {repeats} interleaved repeats")
     for name, m in (("full", mem_full), ("lora", mem_lora)):
         print(
@@ -142,7 +144,9 @@ def main() -> None:
             f"grads {m['grads'] / mib:7.2f} MiB  optimizer {m['optim'] / mib:7.2f} MiB  "
             f"= {state[name] / mib:7.2f} MiB; reference copy {m['reference'] / mib:7.2f} MiB"
         )
-    print(f"GRPO train step: full median {median(t_full) * 1e3:8.1f} ms, LoRA median {median(t_lora) * 1e3:8.1f} ms")
+    print(
+        f"GRPO train step: full median {median(t_full) * 1e3:8.1f} ms, LoRA median {median(t_lora) * 1e3:8.1f} ms"
+    )
     for name, s in (("merged", merged), ("adapters", adapters_only)):
         print(
             f"weight sync ({name:8s}): {s['bytes'] / mib:8.2f} MiB in {s['seconds'] * 1e3:7.1f} ms "
