@@ -7,6 +7,7 @@ import json
 import pytest
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+from posttrain.checkpoint import FORMAT, FORMAT_VERSION
 
 
 class FakePolicy:
@@ -16,7 +17,7 @@ class FakePolicy:
         p = Path(path)
         p.mkdir(parents=True)
         (p / "extra_state.json").write_text(json.dumps(extra_state))
-        (p / "metadata.json").write_text("{}")
+        (p / "metadata.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION}))
 
 
 def test_keep_top_k_by_metric_keeps_best_and_newest(tmp_path):

@@ -8,8 +8,9 @@ FSDP2 or plain. Nothing is unpickled on load: tensors are safetensors, everythin
 
 Layout of a checkpoint directory::
 
-    metadata.json           format version, model fingerprint, trainer version, world size and mesh;
-                            written last, so its presence marks a complete checkpoint
+    metadata.json           format version, model fingerprint, trainer version, world size and mesh,
+                            the size and SHA-256 of every other file; written last, so its presence
+                            marks a complete checkpoint
     train_state.json        scheduler state and optimizer hyperparameters (JSON, not pickle)
     extra_state.json        the training loop's state
     config.yaml             the posttrain config it was saved with (for people; not read back)
@@ -19,8 +20,10 @@ Layout of a checkpoint directory::
 
 Departures from plain DCP: writes are atomic (every rank writes into `<dir>.tmp-<id>`, rank 0 renames
 it into place once all ranks succeeded; a failure anywhere removes the temporary directory and leaves
-the previous checkpoint intact), and a checkpoint of another model or of an incompatible config is
-refused with a message listing what differs. The directory must be on a filesystem all ranks see.
+the previous checkpoint intact); every file is checked against the checksum of its save before
+anything is loaded (checkpoint_verify.py), so a damaged checkpoint is refused naming the file; and a
+checkpoint of another model or of an incompatible config is refused with a message listing what
+differs. The directory must be on a filesystem all ranks see.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from posttrain.checkpoint_verify import (
+    METADATA_FILE,
+    CorruptCheckpointError,
+    fault_point,
+    read_json,
+    record_digests,
+    verify_files,
+)
 from posttrain.logging import get_logger
 from posttrain.rng_state import load_rng, save_rng
 
@@ -70,7 +81,6 @@ def _hf_storage(kind: str):
 
 FORMAT = "posttrain-checkpoint"
 FORMAT_VERSION = 1
-METADATA_FILE = "metadata.json"
 HF_FILES_DIR = "hf"
 
 
@@ -172,10 +182,6 @@ def _to_json(value: Any, what: str) -> str:
         ) from e
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
 def _shared_tmp_dir(final: Path) -> Path:
     """`<final>.tmp-<id>` next to the target (same filesystem, so the final rename is atomic)."""
     token = [uuid.uuid4().hex[:12]]
@@ -190,12 +196,14 @@ def _commit(tmp: Path, final: Path) -> None:
     replacing = final.exists()
     if replacing:
         os.replace(final, old)
+        fault_point("aside", final)
     try:
         os.replace(tmp, final)
     except BaseException:
         if replacing:
             os.replace(old, final)
         raise
+    fault_point("committed", final)
     if replacing:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -252,12 +260,23 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
             else " Pass a directory written by save_checkpoint (it contains metadata.json)."
         )
         raise ValueError(f"'{root}' is not a complete posttrain checkpoint.{hint}")
-    meta = _read_json(root / METADATA_FILE)
+    meta = read_json(root / METADATA_FILE)
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"'{root / METADATA_FILE}' is damaged: not a JSON object")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"'{root}' has checkpoint format {meta.get('format')!r} version {meta.get('format_version')!r}; "
             f"this posttrain reads {FORMAT!r} version {FORMAT_VERSION}. Use the posttrain version that wrote it"
         )
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The metadata of a complete checkpoint after checking every file against the checksums of its save,
+    on this process alone; a ValueError (CorruptCheckpointError for damage) says what is wrong."""
+    root = Path(path).absolute()
+    meta = read_metadata(root)
+    verify_files(root, meta, collective=False)
     return meta
 
 
@@ -405,10 +424,12 @@ def save_checkpoint(
             "Pass a new directory (or an earlier checkpoint to overwrite)"
         )
     extra_json = _to_json(extra_state or {}, "extra_state")
-    meta_json = _to_json(_metadata(state, trainer_version, identity or {}, mesh), "identity")
+    meta = _metadata(state, trainer_version, identity or {}, mesh)
+    _to_json(meta, "identity")  # refused before anything is written
+    fault_point("start", final)
     tmp = _shared_tmp_dir(final)
     try:
-        _write_checkpoint(tmp, final, state, extra_json, meta_json, tokenizer, config_yaml)
+        _write_checkpoint(tmp, final, state, extra_json, meta, tokenizer, config_yaml)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(
             f"saving checkpoint '{final}' failed ({_describe(e)}); nothing was replaced: "
@@ -426,24 +447,28 @@ def _write_checkpoint(
     final: Path,
     state: TrainState,
     extra_json: str,
-    meta_json: str,
+    meta: dict[str, Any],
     tokenizer: Any,
     config_yaml: str | None,
 ) -> None:
-    """Every rank writes its shards and RNG into `tmp`; rank 0 adds the JSON files and commits."""
+    """Every rank writes its shards and RNG into `tmp`; rank 0 adds the JSON files, the ranks hash them
+    all, and rank 0 writes metadata.json with the checksums and commits."""
     rank = _rank()
     writer = _hf_storage("Writer")(str(tmp / "state"), save_distributed=True)
     with _single_process_ok():
         dcp.save(_sharded_state(state), storage_writer=writer, no_dist=not _distributed())
+    fault_point("shards", final)
     _on_all_ranks(lambda: save_rng(tmp / "rng", rank))
     _on_all_ranks(
         lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
     )
-    _on_all_ranks(lambda: _finish(tmp, final, meta_json) if rank == 0 else None)
+    meta = meta | {"files": record_digests(tmp)}
+    _on_all_ranks(lambda: _finish(tmp, final, _to_json(meta, "identity")) if rank == 0 else None)
 
 
 def _finish(tmp: Path, final: Path, meta_json: str) -> None:
     _write_text(tmp / METADATA_FILE, meta_json)
+    fault_point("metadata", final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _commit(tmp, final)
 
@@ -492,13 +517,14 @@ def load_checkpoint(
     except RuntimeError as e:
         raise CheckpointError(f"loading checkpoint '{root}' failed: {e}") from None
     meta = read_metadata(root)
+    verify_files(root, meta, collective=True)
     check_compatible(meta, {"model": model_fingerprint(state.model), "config": identity or {}}, root)
     if state.reference is not None and not meta["has_reference"]:
         raise ValueError(
             f"checkpoint '{root}' has no reference weights but this policy keeps one; "
             "set policy.init_reference_model=false to load it"
         )
-    train_state = _read_json(root / "train_state.json")
+    train_state = read_json(root / "train_state.json")
     has_optimizer = train_state["optimizer_has_state"]
     flat, model_sd, optim_sd, reference = _load_targets(state, has_optimizer, meta["has_reference"])
     _dcp_load(flat, root, no_dist=not _distributed())
@@ -524,7 +550,7 @@ def load_checkpoint(
     return CheckpointInfo(
         trainer_version=meta["trainer_version"],
         world_size=meta["world_size"],
-        extra_state=_read_json(root / "extra_state.json"),
+        extra_state=read_json(root / "extra_state.json"),
     )
 
 
@@ -535,6 +561,7 @@ def read_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a checkpoint under the model's state-dict names, read on
     this process alone (a `trainable_only` checkpoint: the trainable parameters alone)."""
     root = Path(path).absolute()
+    verify_checkpoint(root)
     reader = _hf_storage("Reader")(str(root / "state"))
     shapes = reader.read_metadata().state_dict_metadata
     full = {

@@ -2,20 +2,26 @@
 
 Checkpoints live in `<dir>/step_<N>/` (written atomically by `Policy.save_checkpoint`). The loop's own
 state (step, data position, controller state, the loop config) goes into the checkpoint's extra
-state. `resume: auto` continues from the newest complete checkpoint if there is one, `never` starts
-fresh (over a previous run only with `overwrite`, which deletes it: algorithms/runs.py), and a path
-resumes from exactly that checkpoint.
+state. `resume: auto` continues from the newest checkpoint whose files match the checksums of its save
+(skipping damaged ones, with the reason logged), `never` starts fresh (over a previous run only with
+`overwrite`, which deletes it: algorithms/runs.py), and a path resumes from exactly that checkpoint.
+
+Only committed `step_<N>` directories count. What a killed save leaves behind (`step_<N>.tmp-<id>`,
+and `step_<N>.old-<id>` when it was replacing a checkpoint; see checkpoint.py) is cleaned up when the
+run starts: a checkpoint that was moved aside and never replaced is moved back, the rest is removed.
 """
 
 from __future__ import annotations
 
-import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from posttrain.checkpoint import verify_checkpoint
+from posttrain.checkpoint_verify import read_json
 from posttrain.config import Config
 from posttrain.logging import get_logger
 
@@ -39,8 +45,14 @@ class CheckpointingConfig(Config):
     )
 
 
-def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[-1])
+STEP_DIR = re.compile(r"step_(\d+)")
+LEFTOVER = re.compile(r"(step_\d+)\.(tmp|old)-\w+")
+
+
+def _step_of(path: Path) -> int | None:
+    """N for a committed `step_<N>` directory's name, None for anything else."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 class CheckpointManager:
@@ -51,20 +63,45 @@ class CheckpointManager:
         self.root = Path(cfg.checkpoint_dir or Path(output_dir) / "checkpoints").absolute()
 
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoints (metadata.json present), oldest first."""
+        """Committed checkpoints (`step_<N>` with metadata.json), oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob("step_*") if p.is_dir() and (p / "metadata.json").is_file()]
+        found = [
+            p
+            for p in self.root.iterdir()
+            if _step_of(p) is not None and p.is_dir() and (p / "metadata.json").is_file()
+        ]
         return sorted(found, key=_step_of)
 
+    def clean_leftovers(self) -> None:
+        """Undo what killed saves left: move back a checkpoint moved aside and never replaced, remove the
+        other `.old-*` and every `.tmp-*` directory (a log line each; the command, if removal fails)."""
+        if not self.root.is_dir():
+            return
+        found = [(m, p) for p in self.root.iterdir() if (m := LEFTOVER.fullmatch(p.name))]
+        found.sort(key=lambda mp: (mp[0].group(2) != "old", mp[1].name))  # `.old-*` first, then `.tmp-*`
+        for match, path in found:
+            final = self.root / match.group(1)
+            if match.group(2) == "old" and not final.exists():
+                path.rename(final)
+                log.warning("moved %s back to %s (its replacement was interrupted)", path, final)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                log.warning(
+                    "could not remove %s, left by an interrupted save; remove it: rm -rf '%s'", path, path
+                )
+            else:
+                log.warning("removed %s, left by an interrupted save", path)
+
     def resume_path(self) -> Path | None:
-        """The checkpoint to resume from, or None for a fresh start."""
+        """The checkpoint to resume from, or None for a fresh start (after `clean_leftovers`)."""
+        self.clean_leftovers()
         mode = self.cfg.resume
         if mode == "never":
             return None
         if mode == "auto":
-            found = self.complete_checkpoints()
-            return found[-1] if found else None
+            return self._newest_intact()
         path = Path(mode)
         if not (path / "metadata.json").is_file():
             raise ValueError(
@@ -72,6 +109,28 @@ class CheckpointManager:
                 "use 'auto', 'never' or the path of a step_<N> directory"
             )
         return path
+
+    def _newest_intact(self) -> Path | None:
+        """The newest checkpoint that `verify_checkpoint` passes; each one skipped is logged with the reason.
+        Raises if there are checkpoints and none passes."""
+        skipped = []
+        for path in reversed(self.complete_checkpoints()):
+            try:
+                verify_checkpoint(path)
+            except ValueError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+                skipped.append(f"{path.name}: {e}")
+                continue
+            if skipped:
+                log.warning("resuming from %s, the newest intact checkpoint", path)
+            return path
+        if skipped:
+            raise ValueError(
+                f"checkpointing.resume=auto: no checkpoint in '{self.root}' is intact:\n  "
+                + "\n  ".join(skipped)
+                + f"\nRestore one from a copy, or move '{self.root}' away to start from scratch"
+            )
+        return None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or step == last_step)
@@ -88,7 +147,10 @@ class CheckpointManager:
         extra = path / "extra_state.json"
         if name is None or not extra.is_file():
             return None
-        value = json.loads(extra.read_text()).get("metrics", {}).get(name)
+        try:
+            value = read_json(extra).get("metrics", {}).get(name)
+        except ValueError:  # damaged: ranked last, so pruned first
+            return None
         return None if value is None else float(value)
 
     def _prune(self) -> None:
