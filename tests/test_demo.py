@@ -67,12 +67,12 @@ def test_demo_cli_rejects_a_bad_key_with_exit_2(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "num_prompts_per_step" in proc.stdout  # the message suggests the valid key
+    assert "num_prompts_per_step" in proc.stderr  # the message suggests the valid key
     assert not out.exists()  # nothing ran
 
 
 def test_demo_cli_rejects_a_bad_value_with_exit_2(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", f"output_dir={out}", "sft.max_num_steps=-1"]) == 2
-    assert "sft.max_num_steps" in capsys.readouterr().out
+    assert "sft.max_num_steps" in capsys.readouterr().err
     assert not out.exists()

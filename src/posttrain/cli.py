@@ -1,21 +1,27 @@
 """Command line: posttrain demo | grpo | grpo-async | sft | export | generate.
 
-Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`).
+Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`). A user's
+mistake (a bad config, a missing file, a failing reward function) ends with one message on stderr that
+names the file, key or path and the fix; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from posttrain.config import ConfigError, load_config
+from posttrain.config import ConfigError, format_validation_error, load_config
 
 console = Console()
+errors = Console(stderr=True)
 
 
 def _shown(result: dict[str, float], names: dict[str, str]) -> str:
@@ -28,10 +34,11 @@ def _sft(args: argparse.Namespace) -> int:
     from posttrain.algorithms.sft import SFTConfig, run_sft
 
     cfg = load_config(SFTConfig, args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
     result = run_sft(cfg)
     console.print(
         f"[bold green]SFT done[/]: train loss {result.get('loss', float('nan')):.4f}, "
-        f"held-out loss {result.get('val_loss', float('nan')):.4f}; outputs in {cfg.output_dir}"
+        f"held-out loss {result.get('val_loss', float('nan')):.4f}; outputs in {escape(cfg.output_dir)}"
     )
     return 0
 
@@ -40,9 +47,10 @@ def _grpo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 
     cfg = load_config(GRPOConfig, args.config, args.overrides + _overwrite(args))
+    check_output_dir(cfg.output_dir)
     result = run_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
-    console.print(f"[bold green]GRPO done[/]: {shown}outputs in {cfg.output_dir}")
+    console.print(f"[bold green]GRPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -51,6 +59,7 @@ def _grpo_async(args: argparse.Namespace) -> int:
     from posttrain.algorithms.async_grpo.run import run_async_grpo
 
     cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides + _overwrite(args))
+    check_output_dir(cfg.output_dir)
     result = run_async_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
     if "summary/steps" in result:
@@ -58,7 +67,7 @@ def _grpo_async(args: argparse.Namespace) -> int:
             f"{result['summary/steps']:.0f} steps, {shown}{result['summary/groups_trained']:.0f} groups "
             f"trained, {result['summary/dead_workers']:.0f} rollout worker(s) lost, "
         )
-    console.print(f"[bold green]asynchronous GRPO done[/]: {shown}outputs in {cfg.output_dir}")
+    console.print(f"[bold green]asynchronous GRPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -70,6 +79,7 @@ def _demo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.demo import DemoConfig, run_demo
 
     cfg = load_config(DemoConfig, args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
     t0 = time.perf_counter()
     res = run_demo(cfg)
     what = cfg.sft.env.name if cfg.sft.env is not None else cfg.sft.task.name
@@ -81,7 +91,7 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(
         f"gain: [bold]{res['gain_points']:+.1f} points[/] in {time.perf_counter() - t0:.0f} s; "
-        f"metrics and curves.png in {cfg.output_dir}/grpo"
+        f"metrics and curves.png in {escape(cfg.output_dir)}/grpo"
     )
     return 0
 
@@ -104,21 +114,41 @@ def _generate(args: argparse.Namespace) -> int:
     from posttrain.generation.params import SamplingParams
     from posttrain.models.hf import load_model, load_tokenizer
 
+    flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    try:
+        params = SamplingParams(**flags, greedy=args.greedy)
+    except ValidationError as err:  # name the flag, not the pydantic field
+        text = format_validation_error(SamplingParams, err, heading="invalid option")
+        for name in flags:
+            text = text.replace(f"'{name}'", f"--{name.replace('_', '-')}")
+        raise ConfigError(text) from None
     tok = load_tokenizer(args.model)
     engine = GenerationEngine(load_model(args.model), tok)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, greedy=args.greedy, seed=args.seed
-    )
     prompts = [tok(p, add_special_tokens=True)["input_ids"] for p in args.prompts]
     for prompt, res in zip(args.prompts, engine.generate(prompts, params)):
-        console.print(
-            f"[bold]{prompt}[/]{tok.decode(res.token_ids, skip_special_tokens=True)}  [dim]({res.finish_reason})[/]"
-        )
+        text = tok.decode(res.token_ids, skip_special_tokens=True)
+        console.print(f"[bold]{escape(prompt)}[/]{escape(text)}  [dim]({res.finish_reason})[/]")
     return 0
+
+
+def check_output_dir(path: str, key: str = "output_dir") -> None:
+    """Refuse an output directory that cannot be created or written, before anything is built."""
+    target = Path(path).expanduser().absolute()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        problem = f"'{probe}' is a file, not a directory"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problem = f"'{probe}' is not writable by this user"
+    else:
+        return
+    raise ValueError(f"{key}='{path}' cannot be used: {problem}. Set {key}=... to a directory you can write")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in [
         ("demo", _demo, "built-in demo: SFT warm start then GRPO on arithmetic (CPU, minutes)"),
@@ -161,21 +191,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_generate)
+    for p in sub.choices.values():
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
+        )
     return parser
+
+
+def _os_error_text(e: OSError) -> str:
+    if e.filename is None:
+        return str(e)
+    where = f"'{e.filename}'" + (f" -> '{e.filename2}'" if e.filename2 is not None else "")
+    return f"{where}: {e.strerror or e}. Check that the path exists and that you may read or write it"
+
+
+def user_error(e: BaseException) -> tuple[str, int, str] | None:
+    """(label, exit code, message) for an error a user can fix; None for anything else (a bug: the
+    traceback is shown)."""
+    from posttrain.tasks.rewards import RewardError
+
+    if isinstance(e, ConfigError):
+        return "config error", 2, str(e)
+    if isinstance(e, RewardError):
+        return "reward function error", 1, str(e)
+    if isinstance(e, ValidationError):  # a value checked by a library config built from arguments
+        return "error", 1, format_validation_error(BaseModel, e, heading=f"invalid {e.title}")
+    if isinstance(e, ValueError):  # a user's mistake: the message says how to fix it
+        return "error", 1, str(e)
+    if isinstance(e, OSError):
+        return "error", 1, _os_error_text(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
-        console.print(f"[bold red]config error[/]: {e}")
-        return 2
-    except ValueError as e:  # a user's mistake: the message says how to fix it
-        console.print(f"[bold red]error[/]: {e}")
-        return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the training loop
-        console.print(
+        errors.print(
             "[bold yellow]aborted[/] (Ctrl-C): the step in progress is lost; checkpointing.resume=auto "
             "continues from the run's newest checkpoint, if it has one"
         )
@@ -183,10 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from posttrain.algorithms.runs import RunInterrupted
 
-        if not isinstance(e, RunInterrupted):
+        if isinstance(e, RunInterrupted):  # Ctrl-C, at a step: says how to go on
+            console.print(f"[bold yellow]stopped[/]: {escape(str(e))}")
+            return 130
+        found = None if args.debug else user_error(e)
+        if found is None:
             raise
-        console.print(f"[bold yellow]stopped[/]: {escape(str(e))}")  # Ctrl-C, at a step: says how to go on
-        return 130
+        label, code, text = found
+        errors.print(f"[bold red]{label}[/]: {escape(text)}", soft_wrap=True)
+        if code != 2:
+            errors.print("[dim](run again with --debug to see the traceback)[/]")
+        return code
 
 
 if __name__ == "__main__":

@@ -92,7 +92,37 @@ def _allowed_values(model: type[BaseModel] | None, key: str) -> str:
     return ""
 
 
-def format_validation_error(model: type[BaseModel], err: ValidationError) -> str:
+MAX_SHOWN_INPUT = 100  # characters of a rejected value repeated in a message
+
+
+def _shown_input(e: Any) -> str:
+    """' (got VALUE)' for a rejected value, cut to MAX_SHOWN_INPUT characters; nothing for a whole
+    section (a mapping: the message names the section, and its dump would bury the message)."""
+    if "input" not in e or isinstance(e["input"], dict) or "(got " in str(e["msg"]):
+        return ""
+    text = repr(e["input"])
+    if len(text) > MAX_SHOWN_INPUT:
+        text = text[: MAX_SHOWN_INPUT - 3] + "..."
+    return f" (got {text})"
+
+
+def _message(e: Any) -> str:
+    """pydantic's message without its 'Value error, ' prefix (our validators' text says the fix)."""
+    msg = str(e["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
+def _describe_missing(owner: type[BaseModel] | None, key: str, dotted: str) -> str:
+    field = owner.model_fields.get(key) if owner is not None else None
+    what = f" ({field.description.rstrip('.')})" if field is not None and field.description else ""
+    return f"required key '{dotted}' is missing; set it{what}."
+
+
+def format_validation_error(
+    model: type[BaseModel], err: ValidationError, heading: str = "invalid configuration"
+) -> str:
     """Turn a pydantic ValidationError into one message per problem, each with the fix."""
     lines = []
     for e in err.errors():
@@ -104,15 +134,22 @@ def format_validation_error(model: type[BaseModel], err: ValidationError) -> str
             prefix = ".".join(str(x) for x in loc[:-1])
             hint = f" Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
             lines.append(f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(valid)}.")
+        elif e["type"] == "missing":
+            lines.append(_describe_missing(owner, key, dotted))
+        elif not dotted:  # a check across sections: its message names the keys
+            lines.append(_message(e))
         else:
             allowed = _allowed_values(owner, key)
-            lines.append(f"bad value for '{dotted}': {e['msg']} (got {e.get('input')!r}).{allowed}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+            lines.append(f"bad value for '{dotted}': {_message(e)}{_shown_input(e)}.{allowed}")
+    return f"{heading}:\n  " + "\n  ".join(lines)
 
 
 def _parse_scalar(text: str) -> Any:
     """Parse an override value the way YAML would ('1e-4' -> float, 'true' -> bool, '[1,2]' -> list)."""
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # not YAML (an unbalanced bracket, a stray colon): the text itself
     if isinstance(value, str):
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
@@ -174,17 +211,42 @@ def build_config(cls: type[C], data: dict[str, Any]) -> C:
         raise ConfigError(format_validation_error(cls, err)) from None
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """'line L, column C: problem' of a YAML parse error (pyyaml counts from 0)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err)
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None and (mark is None or start.line != mark.line):
+        context += f" that starts at line {start.line + 1}"
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """The mapping in the YAML file `p`; a ConfigError naming the file (and the line) otherwise."""
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"config file '{p}' is not valid YAML: {_yaml_problem(err)}. Fix it there"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file '{p}' cannot be read: {err}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"config file '{p}' must hold a mapping at the top level (key: value lines), "
+            f"not a {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
     """Load `cls` from an optional YAML file plus dotted overrides."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
-        data = loaded
+        data = _read_yaml(Path(path))
     apply_overrides(data, overrides or [])
     return build_config(cls, data)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.grpo_config import GRPORunSections
@@ -44,7 +44,7 @@ from posttrain.rollout import episodes
 from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
-from posttrain.rollout.groups import engine_config, probe_sync, step_seed
+from posttrain.rollout.groups import check_context, engine_config, probe_sync, step_seed
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.tasks.datasets import PromptItem
@@ -63,6 +63,33 @@ class GRPOConfig(GRPORunSections):
         "accelerator; on a CPU device both share host memory and neither is moved)",
     )
     output_dir: str = "runs/grpo"
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        problem = batch_size_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def batch_size_problem(cfg: GRPOConfig) -> str | None:
+    """Why `policy.train_global_batch_size` does not cut a step's samples into whole optimizer steps
+    (a last step of a few real rows padded with empty ones), with the sizes that do; None when it does."""
+    p, g = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+    samples, gbs, dp = p * g, cfg.policy.train_global_batch_size, cfg.policy.dp_size
+    if samples % gbs == 0:
+        return None
+    valid = [n for n in range(dp, samples + 1, dp) if samples % n == 0]
+    what = (
+        f"every step would train {samples} real rows padded to {gbs}"
+        if gbs > samples
+        else f"the last optimizer step of each GRPO step would hold {samples % gbs} real rows padded to {gbs}"
+    )
+    return (
+        f"policy.train_global_batch_size={gbs} does not divide the {samples} samples of a step "
+        f"(grpo.num_prompts_per_step={p} x grpo.num_generations_per_prompt={g}): {what}. Use one of "
+        f"{', '.join(map(str, valid))}, or change grpo.num_prompts_per_step."
+    )
 
 
 # Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
@@ -200,16 +227,12 @@ def grpo_step(run: Run) -> dict[str, float]:
 
 def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     """Policy, tokenizer, task, engine (with the policy's weights) and the probe batch."""
-    if (
-        cfg.policy.train_global_batch_size
-        > cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    ):
-        raise ValueError(
-            f"policy.train_global_batch_size={cfg.policy.train_global_batch_size} exceeds the samples per step "
-            f"({cfg.grpo.num_prompts_per_step} x {cfg.grpo.num_generations_per_prompt}); lower it"
-        )
+    problem = batch_size_problem(cfg)  # also checked when the config is built; a model_copy skips that
+    if problem:
+        raise ValueError(problem)
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
+    check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
     gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
     engine = GenerationEngine(engine_model(cfg.policy.model, cfg.policy.lora, tokenizer), tokenizer, gen_cfg)
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig
 from posttrain.config import Config
@@ -37,6 +37,17 @@ class GRPOLoopConfig(GroupConfig):
         "force_on_policy_ratio for the PPO ratio and the importance-sampling weights, as TRL does with "
         "num_iterations=1); always: compute prev_logprobs in a separate forward",
     )
+
+    @field_validator("num_generations_per_prompt")
+    @classmethod
+    def _groups_of_two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(
+                f"a group of {v} cannot train: a sample's advantage is its reward minus its group's mean "
+                "(or the others' mean), so with one sample per prompt every advantage is 0. Use 2 or more "
+                "(4 to 16 is usual)"
+            )
+        return v
 
 
 class GRPORunSections(Config):

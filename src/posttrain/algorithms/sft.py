@@ -18,7 +18,8 @@ from posttrain.data.batch import batch_from_sequences
 from posttrain.envs.build import EnvConfig, EnvSuite
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
 from posttrain.models.tokenizer import pad_token_id
-from posttrain.policy.config import PolicyConfig
+from posttrain.policy.config import ModelConfig, PolicyConfig
+from posttrain.policy.model_init import model_config
 from posttrain.policy.policy import Policy
 from posttrain.rollout.episodes import demonstration_examples
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, sft_examples
@@ -97,6 +98,19 @@ def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:
     return policy.train(batch, NLLLoss(), eval_mode=True)["loss"]
 
 
+def check_lengths(examples: list[SFTExample], model: ModelConfig, tokenizer) -> None:
+    """Refuse examples longer than the model's positions (they would train past its context)."""
+    context = getattr(model_config(model, tokenizer), "max_position_embeddings", None)
+    longest = max((len(e.prompt_token_ids) + len(e.completion_token_ids) for e in examples), default=0)
+    if context is not None and longest > context:
+        grow = ", or raise policy.model.tiny.max_position_embeddings" if model.name == "tiny" else ""
+        raise ValueError(
+            f"the longest SFT example has {longest} tokens (prompt and completion), but the model "
+            f"'{model.name}' has {context} positions (max_position_embeddings). Shorten the examples "
+            f"(task.prompt_format.max_prompt_tokens drops long prompts){grow}"
+        )
+
+
 def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the final held-out loss. Ctrl-C stops after the current
     step by raising `RunInterrupted` (SFT writes no checkpoints: nothing is saved)."""
@@ -106,6 +120,7 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
         examples = demonstration_examples(task, tokenizer, task.train)
     else:
         examples = task.sft_examples
+    check_lengths(examples, cfg.policy.model, tokenizer)
     write_config(out, cfg)
     pad_id = pad_token_id(tokenizer)
     heldout = heldout_examples(task, tokenizer)

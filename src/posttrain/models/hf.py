@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -16,6 +18,9 @@ from transformers import (
 )
 
 from posttrain.config import Config
+from posttrain.logging import get_logger
+
+log = get_logger(__name__)
 
 TinyFamily = Literal["llama", "qwen2", "qwen3", "mistral", "gemma"]
 
@@ -72,11 +77,99 @@ def tie_lm_head(model) -> None:
         model.lm_head.weight = model.get_input_embeddings().weight
 
 
+HUB_TIMEOUT_S = 10.0  # one request asks the hub whether a model exists (no retries)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name no hub id can be ('org/name' or 'name'): absolute, relative with a dot, or deeper."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+@functools.cache
+def _hub_problem(name: str) -> str | None:
+    """Why the hub cannot give `name` (one request, a short timeout, no retries); None when it can,
+    or when from_pretrained will say why better (a gated model, another HTTP answer)."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return None
+    except RepositoryNotFoundError:
+        return "there is no such model on the Hugging Face hub (if it is private: `hf auth login`)"
+    except HfHubHTTPError:
+        return None
+    except ValueError as e:  # not a valid repo id
+        return f"it is not a hub name either ({e})"
+    except Exception as e:  # no network, DNS, proxy, timeout
+        return (
+            f"the Hugging Face hub cannot be reached from this machine ({type(e).__name__}: {e}). Download "
+            f"it where the hub is reachable (`hf download {name}`) and set HF_HUB_OFFLINE=1, or pass a "
+            "local directory"
+        )
+    return None
+
+
+def _in_hub_cache(name: str) -> bool:
+    import huggingface_hub
+
+    return isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str)
+
+
+def hf_source(name: str) -> tuple[str, dict[str, Any]]:
+    """Check that `name` is an existing local directory or a hub model this machine can get; return what
+    to pass to `from_pretrained` (the directory with `~` expanded, or the hub name) and its extra
+    arguments (local_files_only when the hub is unreachable but the model is cached). Otherwise a
+    ValueError names the path and the fix: a missing local path is reported as one (not as a bad hub
+    id), and an unreachable hub fails after one short request, not after retries."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"model path '{name}' is a file; pass the directory holding config.json")
+        return str(path), {}
+    if _looks_like_path(name):
+        where = "" if str(path.absolute()) == name else f" ({path.absolute()})"
+        raise ValueError(
+            f"model path '{name}' does not exist{where}. Pass an existing directory with "
+            "config.json and the weights (an SFT run's hf/ directory, a `posttrain export` output), or "
+            "a hub name such as 'Qwen/Qwen2.5-0.5B'"
+        )
+    import huggingface_hub
+
+    offline = huggingface_hub.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+    cached = _in_hub_cache(name)
+    if offline and not cached:
+        raise ValueError(
+            f"'{name}' is not a local directory ({path.absolute()} does not exist), and with HF_HUB_OFFLINE "
+            "set it must be in the Hugging Face cache: it is not in the cache. Download it first "
+            f"(`hf download {name}` with the hub reachable) or pass a local directory"
+        )
+    problem = None if offline else _hub_problem(name)
+    if problem is None:
+        return name, {"local_files_only": True} if offline else {}
+    if cached:
+        log.warning("the hub is unreachable (%s); loading '%s' from the local cache", problem, name)
+        return name, {"local_files_only": True}
+    raise ValueError(f"'{name}' is not a local directory ({path.absolute()} does not exist) and {problem}")
+
+
+def load_hf_config(name_or_path: str) -> PretrainedConfig:
+    """The transformers config of a local directory or hub name (checked as `hf_source` does)."""
+    source, kwargs = hf_source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise ValueError(f"could not load the config of model '{name_or_path}': {e}") from e
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """`from_pretrained` on a local directory or hub name, with fp32 master weights by default."""
+    source, kwargs = hf_source(name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, attn_implementation=attn_implementation
+            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
         )
     except OSError as e:
         raise ValueError(
@@ -87,8 +180,17 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_imple
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Load a tokenizer; sets a pad token (the eos token) when the tokenizer has none."""
+    source, kwargs = hf_source(name_or_path)
+    path = Path(source)
+    if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory '{name_or_path}' has no tokenizer files (none of "
+            f"{', '.join(TOKENIZER_FILES)}). "
+            f"Save the tokenizer there (tokenizer.save_pretrained('{name_or_path}')), or take it from "
+            "elsewhere (policy.model.tokenizer=DIR_OR_HUB_NAME)"
+        )
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
     except OSError as e:
         raise ValueError(f"could not load tokenizer '{name_or_path}': {e}") from e
     if tok.pad_token is None:

@@ -6,9 +6,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from posttrain.models.hf import build_tiny_model, load_model, load_tokenizer, tie_lm_head, tiny_config
+from posttrain.models.hf import (
+    build_tiny_model,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    tie_lm_head,
+    tiny_config,
+)
 from posttrain.models.lora import LoraSettings, add_lora
 from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
 from posttrain.parallel.dims import ParallelDims
@@ -44,7 +51,7 @@ def model_config(cfg: ModelConfig, tokenizer=None):
     """The transformers config of the model (the tiny model's needs its tokenizer's size)."""
     if cfg.name == "tiny":
         return tiny_config(len(tokenizer if tokenizer is not None else build_tokenizer(cfg)), cfg.tiny)
-    return AutoConfig.from_pretrained(cfg.name)
+    return load_hf_config(cfg.name)
 
 
 def build_policy_model(

@@ -16,10 +16,15 @@ from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.sampler import derive_seed
 from posttrain.generation.weight_sync import WeightSync, WeightSyncConfig
+from posttrain.logging import get_logger
 from posttrain.parallel.mesh import default_device
+from posttrain.policy.config import ModelConfig
+from posttrain.policy.model_init import model_config
 from posttrain.rollout.config import GroupConfig
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
+
+log = get_logger(__name__)
 
 # purpose tags: seeds derived for different purposes never coincide
 _STEP, _GROUP, _VALIDATION = 1, 2, 3
@@ -57,6 +62,56 @@ def engine_config(
         longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
         gen = gen.model_copy(update={"max_model_len": longest + sampling.max_new_tokens})
     return gen
+
+
+def check_context(
+    generation: GenerationConfig,
+    sampling: SamplingParams,
+    task: Task | EnvSuite,
+    model: ModelConfig,
+    tokenizer: Any,
+) -> None:
+    """Refuse a run whose samples need more positions than the model has (its max_position_embeddings):
+    the longest prompt plus `sampling.max_new_tokens`, or an explicit `generation.max_model_len`. An
+    environment's `limits.max_tokens` caps a trajectory rather than predicting it, so there a larger
+    cap is only warned about."""
+    context = getattr(model_config(model, tokenizer), "max_position_embeddings", None)
+    if context is None:
+        return
+    where = f"the model '{model.name}' has {context} (max_position_embeddings)"
+    grow = ", or raise policy.model.tiny.max_position_embeddings" if model.name == "tiny" else ""
+    if generation.max_model_len is not None and generation.max_model_len > context:
+        raise ValueError(
+            f"generation.max_model_len={generation.max_model_len} is more positions than {where}; lower it "
+            f"to at most {context} or leave it unset{grow}"
+        )
+    if generation.max_model_len is not None:
+        return
+    if isinstance(task, EnvSuite):
+        if task.limits.max_tokens > context:
+            log.warning(
+                "env.limits.max_tokens=%d is more positions than %s; a trajectory that long would run past "
+                "the model's positions. Set env.limits.max_tokens<=%d",
+                task.limits.max_tokens,
+                where,
+                context,
+            )
+        return
+    splits = [ds for ds in (task.train, task.eval) if ds is not None]
+    longest = max(len(it.prompt_token_ids) for ds in splits for it in ds)
+    need = longest + sampling.max_new_tokens
+    if need <= context:
+        return
+    fix = (
+        f"Lower sampling.max_new_tokens to at most {context - longest}, or shorten the prompts"
+        if longest < context
+        else "Shorten the prompts"
+    )
+    raise ValueError(
+        f"the longest prompt has {longest} tokens and sampling.max_new_tokens={sampling.max_new_tokens}: a "
+        f"sample needs {need} positions, but {where}. {fix} (task.prompt_format.max_prompt_tokens="
+        f"{max(context - sampling.max_new_tokens, 1)} drops longer ones){grow}"
+    )
 
 
 def probe_sync(cfg: WeightSyncConfig, vocab_size: int, dp_size: int) -> WeightSync:

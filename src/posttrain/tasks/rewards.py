@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,8 @@ class RewardFn(Protocol):
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    text = exc.msg if isinstance(exc, SyntaxError) else exc  # its str repeats the file and line
+    return f"{type(exc).__name__}: {text}"
 
 
 def _to_reward(value: Any) -> tuple[float, str | None]:
@@ -173,12 +175,14 @@ class RewardScorer:
     `RewardError` when `cfg.on_reward_error == "raise"` and anything failed (or when too many failed).
     """
 
-    def __init__(self, fn: RewardFn | Callable[..., Any], cfg: RewardConfig | None = None) -> None:
+    def __init__(
+        self, fn: RewardFn | Callable[..., Any], cfg: RewardConfig | None = None, name: str | None = None
+    ) -> None:
         if not callable(fn):
             raise ValueError(f"reward function must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.cfg = cfg or RewardConfig()
-        self.name = _fn_name(fn)
+        self.name = name or _fn_name(fn)  # messages name it: its import path when it has one
         self.total_scored = 0
         self.total_failed = 0
 
@@ -208,13 +212,13 @@ class RewardScorer:
         except Exception as exc:
             if self.cfg.on_reward_error == "raise":
                 raise RewardError(
-                    f"reward function {self.name} failed on a batch of {len(completions)}: {_describe(exc)}. "
-                    "Fix the reward function, or set on_reward_error=skip_sample to mark such samples "
-                    "failed and continue."
+                    f"reward function {self.name} failed on a batch of {len(completions)}: {_describe(exc)}"
+                    f"{_raised_at(exc)}. Fix the reward function, or set task.reward.on_reward_error="
+                    "skip_sample to mark such samples failed and continue."
                 ) from exc
             logger.debug("reward function %s raised on a whole batch", self.name, exc_info=True)
             if not self.cfg.isolate_failures or len(completions) == 1:
-                error = _describe(exc)
+                error = _describe(exc) + _raised_at(exc)
                 return RewardResult(
                     [math.nan] * len(completions), [True] * len(completions), [error] * len(completions)
                 )
@@ -228,7 +232,7 @@ class RewardScorer:
             try:
                 one = self._call([p], [c], [m])
             except Exception as exc:
-                one = RewardResult([math.nan], [True], [_describe(exc)])
+                one = RewardResult([math.nan], [True], [_describe(exc) + _raised_at(exc)])
             merged.rewards += one.rewards
             merged.failed += one.failed
             merged.errors += one.errors
@@ -244,14 +248,16 @@ class RewardScorer:
         if self.cfg.on_reward_error == "raise":
             raise RewardError(
                 f"reward function {self.name} could not score {bad} of {n} samples (first: {first}). Fix the "
-                "reward function, or set on_reward_error=skip_sample to skip such samples and continue."
+                "reward function, or set task.reward.on_reward_error=skip_sample to skip such samples and "
+                "continue."
             )
         logger.warning("reward function %s: %d of %d samples failed (first: %s)", self.name, bad, n, first)
         if bad / n > self.cfg.max_failed_fraction:
             raise RewardError(
-                f"reward function {self.name} failed on {bad} of {n} samples, more than max_failed_fraction="
-                f"{self.cfg.max_failed_fraction} (first error: {first}). Fix the reward function, or raise "
-                "max_failed_fraction (1.0 never stops)."
+                f"reward function {self.name} failed on {bad} of {n} samples, more than "
+                f"task.reward.max_failed_fraction={self.cfg.max_failed_fraction} (first error: {first}). Fix "
+                "the reward function, or raise "
+                "task.reward.max_failed_fraction (1.0 never stops)."
             )
 
 
@@ -264,26 +270,57 @@ def _split_path(path: str) -> tuple[str, list[str]]:
     return module, [attr]
 
 
+_OWN_CODE = str(Path(__file__).resolve().parents[1])  # posttrain's own files
+
+
+def _raised_at(exc: BaseException) -> str:
+    """' (file, line N)' of the innermost frame of `exc` in the user's code (not posttrain's or the
+    import machinery's), or of a SyntaxError's text; '' when there is none."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename}, line {exc.lineno})"
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(("<frozen", _OWN_CODE))
+    ]
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+
+
+def _exec_file(file: Path, path: str, what: str) -> Any:
+    if not file.is_file():
+        raise ValueError(f"{what} '{path}': file '{file}' does not exist")
+    spec = importlib.util.spec_from_file_location(f"posttrain_user_reward_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{what} '{path}': cannot load '{file}' as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _import_module(module: str, path: str, what: str = "reward function") -> Any:
-    if module.endswith(".py"):
-        file = Path(module)
-        if not file.is_file():
-            raise ValueError(f"{what} '{path}': file '{file}' does not exist")
-        spec = importlib.util.spec_from_file_location(f"posttrain_user_reward_{file.stem}", file)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"{what} '{path}': cannot load '{file}' as a Python module")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    """The module of `path`; a ValueError naming `path` when it is missing or its code raises on import."""
     try:
+        if module.endswith(".py"):
+            return _exec_file(Path(module), path, what)
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         missing = exc.name or module
-        where = "" if module == missing or module.startswith(missing + ".") else f" (imported by '{module}')"
+        if module.endswith(".py"):
+            where = f" (imported at {_raised_at(exc)[2:-1]})"
+        else:
+            where = (
+                "" if module == missing or module.startswith(missing + ".") else f" (imported by '{module}')"
+            )
         raise ValueError(
             f"{what} '{path}': cannot import module '{missing}'{where}. Write the path as "
             "'package.module:name' (or 'path/to/file.py:name') and make sure the package is "
             "installed or on PYTHONPATH."
+        ) from exc
+    except ValueError:
+        raise
+    except Exception as exc:  # the user's module is broken: say where, not a traceback through importlib
+        raise ValueError(
+            f"{what} '{path}': importing '{module}' raised {_describe(exc)}{_raised_at(exc)}. Fix the module."
         ) from exc
 
 

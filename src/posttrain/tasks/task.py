@@ -59,7 +59,7 @@ class Task:
 def make_scorer(cfg: TaskConfigBase, default_fn: Callable[..., Any] | None) -> RewardScorer:
     """The task's reward scorer: `cfg.reward_fn` when set, else the task's own reward function."""
     if cfg.reward_fn is not None:
-        return RewardScorer(load_reward_fn(cfg.reward_fn), cfg.reward)
+        return RewardScorer(load_reward_fn(cfg.reward_fn), cfg.reward, name=repr(cfg.reward_fn))
     if default_fn is None:
         raise ValueError("this task has no built-in reward; set reward_fn to 'package.module:function'")
     return RewardScorer(default_fn, cfg.reward)

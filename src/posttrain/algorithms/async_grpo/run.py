@@ -68,7 +68,7 @@ from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.contracts import RolloutWorker
 from posttrain.rollout.engine_worker import start_local_workers
 from posttrain.rollout.episodes import CURVES, mean_episode_metrics, validate_env
-from posttrain.rollout.groups import engine_config, probe_sync
+from posttrain.rollout.groups import check_context, engine_config, probe_sync
 from posttrain.rollout.rows import SAMPLES_CODEC, GroupSamples
 from posttrain.rollout.validation import validate
 from posttrain.tasks.rewards import RewardError
@@ -239,6 +239,22 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     weights, controller. The run's files (config, metrics) are `run_async_grpo`'s."""
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task, own_policy = parts.policy, parts.tokenizer, parts.task, parts.own_policy
+    samples = cfg.async_grpo.target_prompt_groups_per_step * cfg.grpo.num_generations_per_prompt
+    if cfg.policy.train_global_batch_size != samples:
+        log.warning(
+            "policy.train_global_batch_size=%d is ignored by the asynchronous loop: a step is one optimizer "
+            "step over its async_grpo.target_prompt_groups_per_step x grpo.num_generations_per_prompt = %d "
+            "samples (set it to %d to silence this)",
+            cfg.policy.train_global_batch_size,
+            samples,
+            samples,
+        )
+    try:
+        check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
+    except ValueError:
+        if own_policy:
+            policy.shutdown()
+        raise
     ckpt = CheckpointManager(cfg.checkpointing, parts.out)
     hint = "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
     extra = resume(policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint)
@@ -345,10 +361,12 @@ def check_failed_rewards(cfg: AsyncGRPORunConfig, step: int, metrics: dict[str, 
     reward = cfg.task.reward
     frac = metrics["reward_failed_fraction"]
     if reward.on_reward_error == "skip_sample" and frac > reward.max_failed_fraction:
+        fn = f"the reward function {cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
         raise RewardError(
-            f"step {step}: the reward failed on {frac:.0%} of the samples, more than "
-            f"task.reward.max_failed_fraction={reward.max_failed_fraction}. Fix the reward function, or "
-            "raise max_failed_fraction (1.0 never stops)"
+            f"step {step}: {fn} failed on {frac:.0%} of the samples, more than "
+            f"task.reward.max_failed_fraction={reward.max_failed_fraction} (the rollout workers' log "
+            "names the first error). Fix the reward function, or raise task.reward.max_failed_fraction "
+            "(1.0 never stops)"
         )
 
 
