@@ -599,6 +599,45 @@ def test_state_dict_resume_trains_every_prompt_once(with_codec, batched):
     check_workers(workers2)
 
 
+def test_a_settled_checkpoint_decides_the_next_step_whatever_the_timing_after_it():
+    """checkpoint_state() finishes the groups in flight (saved with their samples, never redrawn) and
+    seals the buffer: a run resumed from it trains the very next batch of the run that saved it, even
+    with rollout workers of another speed (fresh version-2 groups then arrive first)."""
+    codec = SamplesCodec(encode=lambda s: s, decode=lambda s: s)
+    workers = [FakeRolloutWorker(f"w{i}", latency=jittered(0.03, 0.03, seed=i)) for i in range(2)]
+    ctrl, trainer, _ = make(
+        24, workers, FakeTrainer(train_latency=0.002), codec=codec, num_steps=4, max_in_flight_per_worker=3
+    )
+    saved: dict[str, dict] = {}
+
+    async def on_step(step: int, metrics: dict) -> None:
+        if step == 2:
+            saved["plain"] = ctrl.state_dict()
+            saved["settled"] = json.loads(json.dumps(await ctrl.checkpoint_state()))
+
+    bounded_run(ctrl.run(on_step))
+    plain, state = saved["plain"], saved["settled"]
+    assert plain["requeue"], "no group was in flight at the checkpoint: the test checks nothing"
+    assert state["requeue"] == [] and len(state["buffer"]) >= 4
+    assert sorted(state["sampler"]["sealed"]) == sorted(item["group_id"] for item in state["buffer"])
+    in_flight = {gid for gid, _, _ in plain["requeue"]}
+    assert in_flight <= {item["group_id"] for item in state["buffer"]}  # finished, not redrawn
+
+    def key(batches):
+        return [(b.group_id, b.prompt_id, b.weight_version) for b in batches]
+
+    fast = [FakeRolloutWorker(f"w{i}", latency=0.0) for i in range(2)]
+    resumed, trainer2, _ = make(
+        24, fast, FakeTrainer(start_version=2, train_latency=0.01), codec=codec, num_steps=4
+    )
+    resumed.load_state_dict(state)
+    bounded_run(resumed.run())
+    assert key(trainer2.steps[0]) == key(trainer.steps[2])
+    assert any(b.weight_version < 2 for b in trainer.steps[2])  # sealed stale groups before fresh ones
+    check_ledger(resumed, trainer2)
+    check_workers(fast)
+
+
 def test_load_state_dict_checks_the_trainer_version():
     ctrl, _, _ = make(8, num_steps=1)
     bounded_run(ctrl.run())

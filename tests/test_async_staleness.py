@@ -54,6 +54,35 @@ def test_sampler_keep_order_puts_aborted_groups_back_in_place():
     assert sampler.groups()[-1].order == 3
 
 
+@pytest.mark.parametrize("selection", ["fresh_first", "stale_first"])
+def test_sealed_groups_are_admitted_before_later_arrivals_and_survive_a_state_round_trip(selection):
+    sampler = StalenessSampler(max_staleness=1, selection=selection)
+    for gid, version in [(0, 1), (1, 2), (2, 1)]:
+        sampler.add(group(gid, version))
+    sampler.seal()
+    for gid, version in [(3, 2), (4, 1)]:  # arrive after the checkpoint
+        sampler.add(group(gid, version))
+    assert sampler.sealed == 3
+    restored = StalenessSampler(max_staleness=1, selection=selection)
+    restored.load_state_dict(sampler.state_dict())
+    for g in sampler.groups():
+        restored.add(g, keep_order=True)
+    sealed_first = {"fresh_first": [1, 0, 2], "stale_first": [0, 2, 1]}[selection]
+    later = {"fresh_first": [3, 4], "stale_first": [4, 3]}[selection]
+    for s in (sampler, restored):
+        assert [s.pop(2).group_id for _ in range(5)] == sealed_first + later
+        assert s.sealed == 0
+
+
+def test_an_evicted_sealed_group_leaves_the_seal():
+    sampler = StalenessSampler(max_staleness=0)
+    sampler.add(group(0, 0))
+    sampler.add(group(1, 1))
+    sampler.seal()
+    assert [g.group_id for g in sampler.evict_stale(1)] == [0]
+    assert sampler.sealed == 1 and sampler.state_dict()["sealed"] == [1]
+
+
 def test_ledger_allows_only_the_loop_transitions():
     ledger = Ledger()
     for state in (GroupState.IN_FLIGHT, GroupState.BUFFERED, GroupState.TRAINING, GroupState.TRAINED):

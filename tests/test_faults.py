@@ -9,6 +9,8 @@ the reason logged, and the run ends with the very weights of an uninterrupted ru
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import os
 import re
@@ -23,11 +25,15 @@ import pytest
 import torch
 
 import posttrain
-from helpers import small_grpo_cfg
+from helpers import small_async_grpo_cfg, small_grpo_cfg
 from posttrain import checkpoint
+from posttrain.algorithms.async_grpo import run as async_run
+from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager
 from posttrain.algorithms.grpo import run_grpo
 from posttrain.checkpoint_verify import FAULT_ENV, CorruptCheckpointError
+from posttrain.logging import read_metrics
+from posttrain.rollout.rows import SAMPLES_CODEC
 
 STEPS = 6  # the uninterrupted run; killed runs stop in their save of step_4 (save_period 2)
 RESUMED_FROM = {"start": 2, "shards": 2, "metadata": 2, "committed": 4, "aside": 2}
@@ -91,26 +97,48 @@ def run_killed(out: Path, stage: str) -> None:
     run_grpo(small_grpo_cfg(out, "grpo.max_num_steps=4"))
 
 
-def kill_runs(runs: dict[str, str]) -> None:
-    """In a fresh interpreter (KILLER): fork one `run_killed` per stage, side by side (one import for
-    all); print {stage: exit code}."""
+def fork_each(runs: dict[str, str], target) -> None:
+    """In a fresh interpreter: fork one `target(Path(out), name)` per run, side by side (one import for
+    all); print {name: exit code}."""
     torch.set_num_threads(1)  # as conftest.py: the same arithmetic as the test process
     pids = {}
-    for stage, out in runs.items():
+    for name, out in runs.items():
         pid = os.fork()
         if pid == 0:
             try:
-                run_killed(Path(out), stage)
+                target(Path(out), name)
             except BaseException:
                 traceback.print_exc()
             os._exit(1)  # reached only when the kill did not happen
-        pids[stage] = pid
-    print(
-        json.dumps({stage: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for stage, pid in pids.items()})
+        pids[name] = pid
+    print(json.dumps({name: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for name, pid in pids.items()}))
+
+
+def kill_runs(runs: dict[str, str]) -> None:
+    fork_each(runs, run_killed)
+
+
+KILLER = "import sys; sys.path.insert(0, {tests!r}); from test_faults import {fn}; {fn}({runs!r})"
+
+
+def run_killers(tmp_path_factory, runs: dict[str, Path], fn: str, meanwhile=None) -> None:
+    """`fn(runs)` (a `fork_each`) in a fresh interpreter; every run must have died of SIGKILL.
+    `meanwhile()` runs here in the meantime."""
+    code = KILLER.format(tests=str(Path(__file__).parent), fn=fn, runs={k: str(v) for k, v in runs.items()})
+    src = str(Path(posttrain.__file__).parents[1])  # this checkout's package, also in the child
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    log = tmp_path_factory.mktemp("killer") / "stderr.log"
+    with open(log, "w") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=stderr)
+    if meanwhile is not None:
+        meanwhile()
+    stdout, _ = child.communicate(timeout=300)
+    assert child.returncode == 0, log.read_text()[-5000:]
+    exits = json.loads(stdout.decode().strip().splitlines()[-1])
+    not_killed = {name: rc for name, rc in exits.items() if rc != -signal.SIGKILL}
+    assert not not_killed, (
+        f"runs not killed where planned (exit codes): {not_killed}\n{log.read_text()[-5000:]}"
     )
-
-
-KILLER = "import sys; sys.path.insert(0, {tests!r}); from test_faults import kill_runs; kill_runs({runs!r})"
 
 
 @pytest.fixture(scope="module")
@@ -118,20 +146,7 @@ def killed(tmp_path_factory, request) -> dict[str, Path]:
     """One run per stage in its own directory, each SIGKILLed in its save of step_4 (beside the
     reference run, which is computed meanwhile)."""
     runs = {stage: tmp_path_factory.mktemp(stage) for stage in RESUMED_FROM}
-    code = KILLER.format(tests=str(Path(__file__).parent), runs={k: str(v) for k, v in runs.items()})
-    src = str(Path(posttrain.__file__).parents[1])  # this checkout's package, also in the child
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    log = tmp_path_factory.mktemp("killer") / "stderr.log"
-    with open(log, "w") as stderr:
-        child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=stderr)
-    request.getfixturevalue("reference")
-    stdout, _ = child.communicate(timeout=300)
-    assert child.returncode == 0, log.read_text()[-5000:]
-    exits = json.loads(stdout.decode().strip().splitlines()[-1])
-    not_killed = {stage: rc for stage, rc in exits.items() if rc != -signal.SIGKILL}
-    assert not not_killed, (
-        f"runs not killed at their stage (exit codes): {not_killed}\n{log.read_text()[-5000:]}"
-    )
+    run_killers(tmp_path_factory, runs, "kill_runs", lambda: request.getfixturevalue("reference"))
     return runs
 
 
@@ -233,3 +248,97 @@ def test_a_leftover_that_cannot_be_removed_is_named_with_the_command(tmp_path, m
         f"could not remove {stuck}, left by an interrupted save; remove it: rm -rf '{stuck}'" in caplog.text
     )
     assert "notes.txt" not in caplog.text
+
+
+# --------------------------------------------------------------------------- grpo-async, kill -9
+
+ASYNC_KILLS = ("mid_step", "after_step")  # in step 3 once two of its groups are in; after step 3
+
+
+def group_digest(group: BufferedGroup) -> str:
+    """A group's samples (token ids, logprobs, rewards; not their timings) as a short hash."""
+    encoded = SAMPLES_CODEC.encode(group.samples)
+    encoded.pop("metrics")
+    return hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_groups(path: Path, kill_at: tuple[int, int] | None = None):
+    """run.py's `prepare_samples`, appending every group it prepares to `path` as [trainer version,
+    group id, prompt id, weight version, samples digest]; with `kill_at=(version, n)` the process is
+    SIGKILLed once the n-th group at that trainer version is written."""
+    original = async_run.prepare_samples
+
+    def prepare_samples(cfg, trainer, stats):
+        inner = original(cfg, trainer, stats)
+        seen: collections.Counter = collections.Counter()
+
+        async def prepare(group: BufferedGroup, version: int):
+            row = [version, group.group_id, group.prompt_id, group.weight_version, group_digest(group)]
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            seen[version] += 1
+            if kill_at == (version, seen[version]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await inner(group, version)
+
+        return prepare
+
+    return prepare_samples
+
+
+def step_groups(path: Path, step: int) -> list[list]:
+    """The groups recorded for `step` (trained at trainer version step - 1), in training order."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [row[1:] for row in rows if row[0] == step - 1]
+
+
+def run_async_killed(out: Path, kill: str) -> None:
+    """The tiny grpo-async run (checkpoints at steps 2 and 4), SIGKILLed in or after its step 3."""
+    async_run.prepare_samples = record_groups(out / "killed.jsonl", (2, 2) if kill == "mid_step" else None)
+
+    def hook(run, step, metrics) -> None:
+        if kill == "after_step" and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async_run.run_async_grpo(small_async_grpo_cfg(out), hook=hook)
+
+
+def kill_async_runs(runs: dict[str, str]) -> None:
+    fork_each(runs, run_async_killed)
+
+
+@pytest.fixture(scope="module")
+def async_killed(tmp_path_factory) -> dict[str, Path]:
+    runs = {kill: tmp_path_factory.mktemp(kill) for kill in ASYNC_KILLS}
+    run_killers(tmp_path_factory, runs, "kill_async_runs")
+    return runs
+
+
+@pytest.mark.parametrize("kill", ASYNC_KILLS)
+def test_a_killed_async_run_resumes_with_the_very_batch_it_was_training(kill, async_killed, monkeypatch):
+    """kill -9 of a whole grpo-async run (policy, rollout engines, controller) in or after its step 3,
+    then `resume=auto` from step_2: the resumed step 3 trains the same groups, drawn by the same weights,
+    with the same samples, in the same order, as the killed run did; after a whole step, to the same
+    loss. The checkpoint held every group that was in flight (finished, not redrawn) and sealed them."""
+    out = async_killed[kill]
+    killed = step_groups(out / "killed.jsonl", 3)
+    assert len(killed) == (2 if kill == "mid_step" else 4)
+    killed_step3 = [
+        r for r in read_metrics(out / "metrics.jsonl") if r.get("step") == 3 and "train/loss" in r
+    ]
+    controller = json.loads((ckpt_dir(out) / "step_2" / "extra_state.json").read_text())["controller"]
+    buffered = sorted(item["group_id"] for item in controller["buffer"])
+    assert controller["requeue"] == [] and len(buffered) >= 4 and controller["sampler"]["sealed"] == buffered
+    assert {gid for gid, *_ in killed} <= set(buffered)
+
+    monkeypatch.setattr(async_run, "prepare_samples", record_groups(out / "resumed.jsonl"))
+    last = async_run.run_async_grpo(small_async_grpo_cfg(out))
+    assert last["summary/steps"] == 4
+    resumed = step_groups(out / "resumed.jsonl", 3)
+    assert resumed[: len(killed)] == killed and len(resumed) == 4
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    if kill == "after_step":
+        (before,) = killed_step3
+        for key in ("train/loss", "train/grad_norm", "reward"):
+            assert rows[2][key] == before[key], key

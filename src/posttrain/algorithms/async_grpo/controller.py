@@ -135,6 +135,10 @@ class AsyncGRPOController:
             raise self.pool.fatal
         return self.summary()
 
+    @property
+    def running(self) -> bool:
+        return self._running
+
     def summary(self) -> RunSummary:
         return RunSummary(
             steps=self.step,
@@ -317,6 +321,48 @@ class AsyncGRPOController:
         self.pool.publish(version, weights)
 
     # ------------------------------------------------------------------ checkpoint
+
+    async def checkpoint_state(self) -> dict[str, Any]:
+        """`settle()`, then the `state_dict()` to checkpoint; generation goes on as it is returned
+        (while the checkpoint is written). Call it from `on_step`."""
+        await self.settle()
+        state = self.state_dict()
+        self.pool.changed()
+        return state
+
+    async def settle(self) -> None:
+        """Make the state between steps one a checkpoint can hold whole (see `checkpoint_state`).
+
+        Every group in flight is finished and buffered (a group generated with weights older than the
+        checkpoint's could not be drawn again after a resume), new prompts go out only until a step's
+        worth of groups is buffered or in flight, and the buffered groups are then sealed: the sampler
+        admits them before any group that arrives later. The next step is so decided by the
+        checkpointed state alone: a run resumed from it trains the very batch that the run that saved it
+        trains next. Generation pauses meanwhile (a bubble of at most one generate call per
+        checkpoint). Bounded by admission_timeout_s."""
+        if self._in_step or not self._running:
+            raise RuntimeError("settle() is for between steps of a running controller (from on_step)")
+        target = self.cfg.target_prompt_groups_per_step
+        deadline = self.clock() + self.cfg.admission_timeout_s
+        self.pool.limit = target
+        try:
+            while True:
+                self.pool.fill()
+                if self.pool.fatal is not None:
+                    raise self.pool.fatal
+                if not self.pool.in_flight and (len(self.sampler) >= target or not self.pool.has_work):
+                    break
+                self.pool.wake.clear()
+                try:
+                    await asyncio.wait_for(self.pool.wake.wait(), max(deadline - self.clock(), 0.0))
+                except asyncio.TimeoutError:
+                    raise AsyncGRPOError(
+                        f"the groups in flight did not finish for the checkpoint within admission_timeout_s="
+                        f"{self.cfg.admission_timeout_s}s ({self.pool.describe()})"
+                    ) from None
+        finally:
+            self.pool.limit = None
+        self.sampler.seal()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable controller state; take it between steps (e.g. in `on_step`) or after `run()`.

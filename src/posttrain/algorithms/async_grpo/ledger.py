@@ -40,7 +40,10 @@ class StalenessSampler:
     """Finished groups, admitted one at a time by lag, then age.
 
     `fresh_first` admits the smallest lag first (most on-policy), `stale_first` the largest lag that is
-    still eligible (fewest drops); ties go to the group that arrived first.
+    still eligible (fewest drops); ties go to the group that arrived first. Groups buffered when the
+    controller settled for a checkpoint are `sealed`: they are admitted before any group that arrives
+    later, so the step after a checkpoint is decided by the checkpoint's state alone (controller.py
+    `settle`).
     """
 
     def __init__(self, max_staleness: int, selection: Selection = "fresh_first") -> None:
@@ -50,6 +53,7 @@ class StalenessSampler:
         self.selection = selection
         self._groups: dict[int, BufferedGroup] = {}
         self._next_order = 0
+        self._sealed: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -82,22 +86,39 @@ class StalenessSampler:
         candidates = [g for g in self._groups.values() if self.eligible(g, trainer_version)]
         if not candidates:
             return None
+        sealed = [g for g in candidates if g.group_id in self._sealed]
         sign = 1 if self.selection == "fresh_first" else -1
-        best = min(candidates, key=lambda g: (sign * g.lag(trainer_version), g.order))
+        best = min(sealed or candidates, key=lambda g: (sign * g.lag(trainer_version), g.order))
+        self._sealed.discard(best.group_id)
         return self._groups.pop(best.group_id)
+
+    def seal(self) -> None:
+        """Every group buffered now is admitted before any group that arrives later."""
+        self._sealed = set(self._groups)
+
+    @property
+    def sealed(self) -> int:
+        return len(self._sealed)
 
     def evict_stale(self, trainer_version: int) -> list[BufferedGroup]:
         """Remove and return the groups that can no longer be admitted."""
         stale = [g for g in self.groups() if not self.eligible(g, trainer_version)]
         for g in stale:
             del self._groups[g.group_id]
+            self._sealed.discard(g.group_id)
         return stale
 
     def state_dict(self) -> dict[str, Any]:
-        return {"max_staleness": self.max_staleness, "next_order": self._next_order}
+        return {
+            "max_staleness": self.max_staleness,
+            "next_order": self._next_order,
+            "sealed": sorted(self._sealed),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before the buffered groups are added back (state from before `sealed` existed: none)."""
         self._next_order = int(state["next_order"])
+        self._sealed = {int(g) for g in state.get("sealed", [])}
 
 
 class GroupState(str, enum.Enum):

@@ -128,6 +128,7 @@ class RolloutPool:
         self.slots: list[_Slot] = []
         self.published: tuple[int, Any] | None = None
         self.paused = True  # no dispatch until weights are published
+        self.limit: int | None = None  # a lower outstanding cap while the controller settles
         self.stopping = False
         self.fatal: BaseException | None = None
         self.wake = asyncio.Event()
@@ -166,6 +167,19 @@ class RolloutPool:
     @property
     def published_version(self) -> int | None:
         return self.published[0] if self.published is not None else None
+
+    @property
+    def cap(self) -> int:
+        """Groups in flight plus those the controller holds stay under this."""
+        cap = self.cfg.outstanding_cap
+        return cap if self.limit is None else min(cap, self.limit)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether `fill` may still send requests (there are prompts to generate and it is not paused
+        or stopped)."""
+        live = not (self.paused or self.stopping) and self.fatal is None
+        return live and bool(self.retry or not self.cursor.exhausted)
 
     @property
     def idle(self) -> bool:
@@ -252,7 +266,7 @@ class RolloutPool:
                     )
                 )
                 return
-            if self.paused or len(self.in_flight) + self.held() >= self.cfg.outstanding_cap:
+            if self.paused or len(self.in_flight) + self.held() >= self.cap:
                 return
             ready = [
                 s
@@ -263,7 +277,7 @@ class RolloutPool:
             if not ready:
                 return
             slot = min(ready, key=lambda s: (len(s.in_flight), s.index))
-            room = self.cfg.outstanding_cap - len(self.in_flight) - self.held()
+            room = self.cap - len(self.in_flight) - self.held()
             room = -(-room // len(ready))  # an even share: one worker must not take all the work
             room = min(room, self.cfg.max_in_flight_per_worker - len(slot.in_flight))
             if self.cfg.max_groups_per_call is not None:

@@ -391,7 +391,9 @@ async def train(
     saved = [run.resumed_step]
 
     async def save(step: int, metrics: dict[str, float]) -> None:
-        extra = {"step": step, "controller": run.controller.state_dict(), "config": _resume_view(cfg)}
+        c = run.controller  # settled before a step that follows: in-flight groups saved, not redrawn
+        state = c.state_dict() if step == num_steps or not c.running else await c.checkpoint_state()
+        extra = {"step": step, "controller": state, "config": _resume_view(cfg)}
         await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
         saved[0] = step
 
