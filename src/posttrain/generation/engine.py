@@ -53,6 +53,7 @@ from posttrain.generation.sampler import RowParams, mix64, request_key, sample
 from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
+from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
 
 __all__ = ["EngineStateError", "GenerationEngine"]
@@ -451,8 +452,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             input_ids=ids,
             position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=self.cache,
             use_cache=True,
+            **with_cache(module, self.cache),
         )
 
     # ------------------------------------------------------------------ decode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -79,6 +80,19 @@ def tie_lm_head(model) -> None:
 
 HUB_TIMEOUT_S = 10.0  # one request asks the hub whether a model exists (no retries)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+@functools.cache
+def _cache_kwarg(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword that hands `cache` (an object with the HF `Cache.update` protocol) to `module`'s
+    forward: `cache` in newer transformers, `past_key_values` before it (which newer versions accept
+    with a FutureWarning in every forward)."""
+    return {_cache_kwarg(type(module)): cache}
 
 
 def _looks_like_path(name: str) -> bool:

@@ -28,6 +28,7 @@ import torch
 
 from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix, block_causal_mask, segment_ids
 from posttrain.models.context_parallel import ContextParallel
+from posttrain.models.hf import with_cache
 from posttrain.models.vocab_parallel import VocabShard, token_logprobs
 
 __all__ = ["SequenceSplit", "microbatch_logprobs", "microbatch_topk", "token_logprobs"]
@@ -206,8 +207,8 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
         input_ids=pre,
         position_ids=ar_p[None, :].expand(u, p),
         attention_mask=_mask(model, causal),
-        past_key_values=kv,
         use_cache=True,
+        **with_cache(model, kv),
     ).logits
     kv.rows = plan.row_prefix
     sees_prefix = (ar_p[None, None, :] < plan.split[:, None, None]).expand(b, s, p)
@@ -219,8 +220,8 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
         # what the plain forward over the padded batch uses (dynamic rope scaling sees the same max)
         position_ids=(plan.split[:, None] + ar_s[None, :]).clamp(max=plan.gather_index.shape[1] - 1),
         attention_mask=_mask(model, torch.cat([sees_prefix, causal], dim=2)),
-        past_key_values=kv,
         use_cache=True,
+        **with_cache(model, kv),
     ).logits
     (logits_p, shard), (logits_s, _) = VocabShard.of(logits_p), VocabShard.of(logits_s)
     logits_p, logits_s = _scaled(logits_p, temperature), _scaled(logits_s, temperature)
