@@ -5,7 +5,7 @@ Each of `num_slots` slots holds one sequence, keys and values at positions 0..ma
 engine moves the last sequence into the hole a finished one leaves), so a decode step attends over
 the view `[:n, :, :L]` with no copy and no per-step concatenation.
 
-The object is passed to the model as `past_key_values`; Hugging Face attention layers call
+The object is passed to the model as its cache (`models.hf.with_cache`); Hugging Face attention layers call
 `update(key_states, value_states, layer_idx)` and attend over what it returns. Before each forward
 the engine says what is being written (`plan_prefill`, `plan_extend` or `plan_decode`) and passes its
 own 4-D mask, which transformers uses as is (no mask building per step). Buffers are allocated on the
