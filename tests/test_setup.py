@@ -86,7 +86,9 @@ def test_without_torch_it_installs_the_cpu_wheel_from_the_cpu_index_then_does_no
     assert pip_calls(log)[2:] == ["pip install -q -e .[ray,math,plot,dev]"]
 
 
-@pytest.mark.parametrize("version, installs_torch", [("2.6.0", False), ("2.11.0+cu128", False), ("2.5.1", True)])
+@pytest.mark.parametrize(
+    "version, installs_torch", [("2.6.0", False), ("2.11.0+cu128", False), ("2.5.1", True)]
+)
 def test_a_torch_from_2_6_on_is_kept(tmp_path, checkout, version, installs_torch):
     stub, log = stub_python(tmp_path, torch_version=version)
     setup(checkout, stub)

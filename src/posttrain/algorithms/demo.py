@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from pydantic import Field
 
 from posttrain.algorithms.grpo import GRPOConfig, run_grpo
@@ -79,12 +80,21 @@ class DemoConfig(Config):
     sft: SFTConfig = Field(default_factory=_default_sft)
     grpo: GRPOConfig = Field(default_factory=_default_grpo)
     output_dir: str = "runs/demo"
+    torch_threads: int | None = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads (None: torch's default, one per core). The demo's tiny model "
+        "gains nothing from more than one; on a 2-core machine with other work running, two threads made "
+        "the demo 3x slower (benchmarks/RESULTS.md)",
+    )
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, float]:
     """Returns accuracy after SFT, after GRPO, and the gain in points. With `sft.env` set, both stages
     use that environment (SFT on its demonstrations, GRPO on its episodes; configs/demo_*.yaml)."""
     out = Path(cfg.output_dir)
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
     if cfg.grpo.task != _default_grpo().task and cfg.grpo.task != cfg.sft.task:
         log.warning("demo: grpo.task is ignored; both stages use sft.task (set the task there)")
     if cfg.grpo.env is not None and cfg.grpo.env != cfg.sft.env:
