@@ -19,7 +19,16 @@ LAYERS = [
     ("parallel",),
     ("models",),
     ("data",),
-    ("config", "checkpoint", "checkpoint_verify", "rng_state", "dtypes", "logging", "__init__"),
+    (
+        "config",
+        "config_keys",
+        "checkpoint",
+        "checkpoint_verify",
+        "rng_state",
+        "dtypes",
+        "logging",
+        "__init__",
+    ),
 ]
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

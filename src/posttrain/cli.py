@@ -1,6 +1,7 @@
-"""Command line: posttrain demo | grpo | grpo-async | sft | export | generate.
+"""Command line: posttrain demo | grpo | grpo-async | sft | export | generate | config show.
 
-Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`). A user's
+Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`);
+`posttrain config show COMMAND [PREFIX]` lists the keys they accept. A user's
 mistake (a bad config, a missing file, a failing reward function) ends with one message on stderr that
 names the file, key or path and the fix; `--debug` shows the traceback instead.
 """
@@ -18,10 +19,25 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from posttrain.config import ConfigError, format_validation_error, load_config
+from posttrain.config import Config, ConfigError, format_validation_error, load_config
 
 console = Console()
 errors = Console(stderr=True)
+
+
+CONFIG_COMMANDS = ("demo", "sft", "grpo", "grpo-async")  # the commands `config show` knows
+
+
+def config_class(command: str) -> type[Config]:
+    """The config class that `posttrain COMMAND` loads its --config file and overrides into (imported on
+    use: the training stack is slow to import)."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.sft import SFTConfig
+
+    classes = {"demo": DemoConfig, "sft": SFTConfig, "grpo": GRPOConfig, "grpo-async": AsyncGRPORunConfig}
+    return classes[command]
 
 
 def _shown(result: dict[str, float], names: dict[str, str]) -> str:
@@ -31,9 +47,9 @@ def _shown(result: dict[str, float], names: dict[str, str]) -> str:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from posttrain.algorithms.sft import SFTConfig, run_sft
+    from posttrain.algorithms.sft import run_sft
 
-    cfg = load_config(SFTConfig, args.config, args.overrides)
+    cfg = load_config(config_class("sft"), args.config, args.overrides)
     check_output_dir(cfg.output_dir)
     result = run_sft(cfg)
     console.print(
@@ -44,9 +60,9 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _grpo(args: argparse.Namespace) -> int:
-    from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+    from posttrain.algorithms.grpo import run_grpo
 
-    cfg = load_config(GRPOConfig, args.config, args.overrides + _overwrite(args))
+    cfg = load_config(config_class("grpo"), args.config, args.overrides + _overwrite(args))
     check_output_dir(cfg.output_dir)
     result = run_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
@@ -55,10 +71,9 @@ def _grpo(args: argparse.Namespace) -> int:
 
 
 def _grpo_async(args: argparse.Namespace) -> int:
-    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.async_grpo.run import run_async_grpo
 
-    cfg = load_config(AsyncGRPORunConfig, args.config, args.overrides + _overwrite(args))
+    cfg = load_config(config_class("grpo-async"), args.config, args.overrides + _overwrite(args))
     check_output_dir(cfg.output_dir)
     result = run_async_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
@@ -76,9 +91,9 @@ def _overwrite(args: argparse.Namespace) -> list[str]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from posttrain.algorithms.demo import DemoConfig, run_demo
+    from posttrain.algorithms.demo import run_demo
 
-    cfg = load_config(DemoConfig, args.config, args.overrides)
+    cfg = load_config(config_class("demo"), args.config, args.overrides)
     check_output_dir(cfg.output_dir)
     t0 = time.perf_counter()
     res = run_demo(cfg)
@@ -129,6 +144,48 @@ def _generate(args: argparse.Namespace) -> int:
         text = tok.decode(res.token_ids, skip_special_tokens=True)
         console.print(f"[bold]{escape(prompt)}[/]{escape(text)}  [dim]({res.finish_reason})[/]")
     return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from posttrain.config_keys import config_keys, render, select
+
+    overrides = [item for item in args.items if "=" in item]
+    prefixes = [item for item in args.items if "=" not in item]
+    if len(prefixes) > 1:
+        raise ConfigError(
+            f"config show takes one key prefix, got {len(prefixes)}: {', '.join(prefixes)}. An override "
+            "is written key=value"
+        )
+    cls = config_class(args.target)
+    given = args.config is not None or bool(overrides)
+    keys = config_keys(cls, load_config(cls, args.config, overrides) if given else None)
+    if prefixes:
+        keys = select(keys, prefixes[0], f"posttrain {args.target}")
+    try:
+        print(render(keys, "value" if given else "default"), flush=True)
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error; nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+CONFIG_SHOW_HELP = """\
+Lists every key of COMMAND's config, one line each: KEY (dotted, as an override writes it), TYPE (as the
+code declares it: list[float], int | None, Literal values as 'a' | 'b') and DEFAULT, with the key's
+description below it. With --config or overrides the column is VALUE instead: the value that config
+gives the key (a shown value can be passed back as KEY=VALUE).
+
+A section that is one of several kinds (task, env: picked by its `name`) or optional (policy.lora) has
+its own line, then the keys of each kind, indented, under a note such as `(when env.name=calculator)`;
+`; in effect` marks the kind the config has, and the other kinds show their own defaults. The items of a
+list of sections (policy.scheduler) are set as a whole list; their keys are shown as
+`policy.scheduler[].kind` under `(each item of policy.scheduler)`. (required) marks a key that has no
+default.
+
+examples:
+  posttrain config show grpo                      every key of a GRPO run
+  posttrain config show grpo policy.optimizer     only the keys under policy.optimizer
+  posttrain config show grpo --config configs/grpo_arithmetic.yaml grpo.num_prompts_per_step=8
+"""
 
 
 def check_output_dir(path: str, key: str = "output_dir") -> None:
@@ -191,7 +248,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_generate)
-    for p in sub.choices.values():
+    p = sub.add_parser("config", help="inspect the config keys of a command: posttrain config show grpo")
+    show = p.add_subparsers(dest="action", required=True).add_parser(
+        "show",
+        help="list every config key of a command with its type, default and description",
+        description=CONFIG_SHOW_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shows = show.add_subparsers(dest="target", required=True, metavar="COMMAND")
+    for name in CONFIG_COMMANDS:
+        p = shows.add_parser(
+            name,
+            help=f"the keys of `posttrain {name}`",
+            description=CONFIG_SHOW_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--config", default=None, help="YAML config file: show the values it gives")
+        p.add_argument(
+            "items",
+            nargs="*",
+            metavar="PREFIX | KEY=VALUE",
+            help="show only the keys at or under PREFIX (e.g. policy.optimizer); KEY=VALUE: dotted "
+            f"overrides, as for posttrain {name}",
+        )
+        p.set_defaults(func=_config_show)
+    for p in [*sub.choices.values(), show, *shows.choices.values()]:
         p.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error"
         )

@@ -33,17 +33,17 @@ def _field_names(model: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
-def _model_candidates(ann: Any) -> list[type[BaseModel]]:
+def model_candidates(ann: Any) -> list[type[BaseModel]]:
     """Pydantic model classes inside an annotation (unwrapping Optional, unions and Annotated)."""
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return [ann]
     out: list[type[BaseModel]] = []
     for arg in typing.get_args(ann):
-        out.extend(_model_candidates(arg))
+        out.extend(model_candidates(arg))
     return out
 
 
-def _tag_of(model: type[BaseModel]) -> Any:
+def tag_of(model: type[BaseModel]) -> Any:
     """The literal value of a discriminated-union member's `name` field, if it has one."""
     field = model.model_fields.get("name")
     if field is not None and typing.get_origin(field.annotation) is typing.Literal:
@@ -63,10 +63,10 @@ def _walk_path(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseM
             i += 1
             continue
         field = current.model_fields.get(key)
-        candidates = _model_candidates(field.annotation) if field is not None else []
+        candidates = model_candidates(field.annotation) if field is not None else []
         current = candidates[0] if len(candidates) == 1 else None
         if len(candidates) > 1 and i + 1 < len(loc):  # pydantic puts the union tag next in loc
-            tagged = {_tag_of(c): c for c in candidates}
+            tagged = {tag_of(c): c for c in candidates}
             if loc[i + 1] in tagged:
                 current = tagged[loc[i + 1]]
                 i += 1
@@ -120,6 +120,13 @@ def _describe_missing(owner: type[BaseModel] | None, key: str, dotted: str) -> s
     return f"required key '{dotted}' is missing; set it{what}."
 
 
+def nearest_key(key: str, valid: list[str]) -> str | None:
+    """The valid key closest to a mistyped `key` (the 'Did you mean' of unknown-key messages), or None
+    when none is close."""
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return near[0] if near else None
+
+
 def format_validation_error(
     model: type[BaseModel], err: ValidationError, heading: str = "invalid configuration"
 ) -> str:
@@ -130,9 +137,9 @@ def format_validation_error(
         dotted = ".".join(str(x) for x in loc)
         if e["type"] == "extra_forbidden":
             valid = _field_names(owner) if owner is not None else []
-            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            near = nearest_key(key, valid)
             prefix = ".".join(str(x) for x in loc[:-1])
-            hint = f" Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
+            hint = f" Did you mean '{prefix + '.' if prefix else ''}{near}'?" if near else ""
             lines.append(f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(valid)}.")
         elif e["type"] == "missing":
             lines.append(_describe_missing(owner, key, dotted))

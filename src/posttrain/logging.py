@@ -18,8 +18,12 @@ from posttrain.config import Config
 class LoggingConfig(Config):
     """Where and how metrics are written."""
 
-    tensorboard: bool = False
-    wandb_project: str | None = None
+    tensorboard: bool = Field(
+        False, description="also write TensorBoard event files (pip install tensorboard)"
+    )
+    wandb_project: str | None = Field(
+        None, description="also log to this Weights & Biases project (None: off)"
+    )
     progress_bar: bool = Field(True, description="rich progress bar on the console")
 
 

@@ -36,7 +36,7 @@ class CheckpointingConfig(Config):
     save_period: int = Field(10, ge=1, description="save every N steps (and at the last step)")
     keep_top_k: int | None = Field(None, ge=1, description="keep the k best by `metric_name` (+ the newest)")
     metric_name: str | None = Field(None, description="metric ranking checkpoints, e.g. 'val/accuracy'")
-    higher_is_better: bool = True
+    higher_is_better: bool = Field(True, description="keep_top_k: a higher `metric_name` is better")
     resume: str = Field("auto", description="'auto' (newest if any), 'never', or a checkpoint path")
     overwrite: bool = Field(
         False,

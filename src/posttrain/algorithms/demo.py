@@ -79,7 +79,10 @@ class DemoConfig(Config):
 
     sft: SFTConfig = Field(default_factory=_default_sft)
     grpo: GRPOConfig = Field(default_factory=_default_grpo)
-    output_dir: str = "runs/demo"
+    output_dir: str = Field(
+        "runs/demo",
+        description="the SFT stage writes to <output_dir>/sft, the GRPO stage to <output_dir>/grpo",
+    )
     torch_threads: int | None = Field(
         1,
         ge=1,

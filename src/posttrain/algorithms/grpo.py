@@ -62,7 +62,9 @@ class GRPOConfig(GRPORunSections):
         description="trainer offloaded while the engine generates, engine asleep while training (on an "
         "accelerator; on a CPU device both share host memory and neither is moved)",
     )
-    output_dir: str = "runs/grpo"
+    output_dir: str = Field(
+        "runs/grpo", description="metrics.jsonl, curves.png, config.yaml and checkpoints/ go here"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:

@@ -23,13 +23,13 @@ from posttrain.tasks.build import TaskConfig
 class GRPOLoopConfig(GroupConfig):
     """The loop's knobs (names follow NeMo-RL); the group settings are rollout.config.GroupConfig's."""
 
-    num_prompts_per_step: int = Field(16, ge=1)
-    max_num_steps: int = Field(50, ge=0)
+    num_prompts_per_step: int = Field(16, ge=1, description="prompts per step, each sampled as a group")
+    max_num_steps: int = Field(50, ge=0, description="train until this step (a resumed run too)")
     max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
     dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
     dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
     val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
-    val_at_start: bool = True
+    val_at_start: bool = Field(True, description="validate before the first step")
     recompute_prev_logprobs: Literal["auto", "always"] = Field(
         "auto",
         description="auto: skip the extra trainer forward when the step's samples make one optimizer "

@@ -110,7 +110,9 @@ class ClippedPGConfig(Config):
     reference_policy_kl_penalty: float = Field(
         0.0, ge=0, description="beta of the reference KL term (0 = off)"
     )
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="estimator of KL(pi || pi_ref) from the sampled tokens (Schulman's k1/k2/k3)"
+    )
     kl_input_clamp_value: float | None = Field(
         20.0, gt=0, description="clamp of log(pi_ref/pi) before the KL"
     )

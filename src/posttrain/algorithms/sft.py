@@ -44,11 +44,13 @@ class SFTConfig(Config):
     )
     max_num_steps: int = Field(200, ge=0, description="optimizer steps")
     val_period: int = Field(50, ge=0, description="held-out loss every N steps (0 = only at the end)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the run: torch's global seed and the order of the examples")
     output_dir: str = Field(
         "runs/sft", description="metrics.jsonl, config.yaml and the final HF model go here"
     )
-    save_final_model: bool = True
+    save_final_model: bool = Field(
+        True, description="save the trained model as an HF directory, <output_dir>/hf"
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 

@@ -60,8 +60,8 @@ class CalculatorEnvConfig(EnvConfigBase):
     """Products of a `left_digits`-digit and a `right_digits`-digit number, with a calculator tool."""
 
     name: Literal["calculator"] = "calculator"
-    left_digits: int = Field(3, ge=1, le=6)
-    right_digits: int = Field(2, ge=1, le=6)
+    left_digits: int = Field(3, ge=1, le=6, description="digits of the first factor")
+    right_digits: int = Field(2, ge=1, le=6, description="digits of the second factor")
     num_train: int = Field(2000, ge=1, description="training problems")
     num_eval: int = Field(100, ge=1, description="held-out problems (never trained on)")
     direct_answer_fraction: float = Field(

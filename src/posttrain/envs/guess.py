@@ -29,7 +29,7 @@ class GuessEnvConfig(EnvConfigBase):
     """Secret numbers in [1, max_number]."""
 
     name: Literal["guess"] = "guess"
-    max_number: int = Field(15, ge=2, le=10_000)
+    max_number: int = Field(15, ge=2, le=10_000, description="secrets are drawn from [1, max_number]")
     num_eval: int = Field(5, ge=1, description="held-out secrets (the rest train)")
     limits: EnvLimits = Field(default_factory=lambda: EnvLimits(max_turns=5, max_tokens=160))
 

@@ -48,8 +48,8 @@ class OptimizerConfig(Config):
     """Any torch optimizer by class path; AdamW by default."""
 
     name: str = Field("torch.optim.AdamW", description="import path of the optimizer class")
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1e-5, gt=0, description="learning rate (the scheduler stages' factors multiply it)")
+    weight_decay: float = Field(0.0, ge=0, description="the optimizer's weight_decay argument")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra constructor arguments (betas, eps, ...)"
     )
@@ -78,7 +78,9 @@ class ParallelConfig(Config):
     fsdp_cpu_offload: bool = Field(
         False, description="FSDP2 CPUOffloadPolicy (params/grads/optimizer on host)"
     )
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in the backward (less memory, more compute)"
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -21,16 +21,24 @@ class GroupConfig(Config):
     """A prompt group: its size, how its rewards become advantages, overlong handling, held-out
     validation and the seed its samples are drawn from (names follow NeMo-RL)."""
 
-    num_generations_per_prompt: int = Field(8, ge=1)
+    num_generations_per_prompt: int = Field(
+        8, ge=1, description="samples per prompt (the group); advantages compare a group's samples"
+    )
     normalize_rewards: bool = Field(True, description="divide advantages by the group's reward std")
     use_leave_one_out_baseline: bool = Field(False, description="RLOO baseline instead of the group mean")
     overlong_filtering: bool = Field(False, description="truncated completions do not contribute to the loss")
     overlong_reward_shaping: bool = Field(False, description="DAPO soft penalty near max_new_tokens")
-    overlong_buffer_length: int = Field(4, ge=1)
-    overlong_penalty: float = Field(1.0, ge=0)
+    overlong_buffer_length: int = Field(
+        4, ge=1, description="reward shaping: the penalty grows over this many tokens before max_new_tokens"
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="reward shaping: the reward taken off at max_new_tokens (less before it)"
+    )
     val_num_generations: int = Field(1, ge=1, description="k of pass@k (k=1: greedy accuracy)")
-    val_max_prompts: int | None = Field(None, ge=1)
-    seed: int = 0
+    val_max_prompts: int | None = Field(None, ge=1, description="held-out prompts validated (None: all)")
+    seed: int = Field(
+        0, description="seed of the run: torch's global seed, the sampling streams and validation"
+    )
 
 
 class RolloutWorkerConfig(Config):

@@ -133,7 +133,9 @@ class AsyncGRPORunConfig(GRPORunSections):
         "call each (None: the larger of policy.microbatch.train_micro_batch_size and "
         "logprob_micro_batch_size; 1: one call per group)",
     )
-    output_dir: str = "runs/grpo_async"
+    output_dir: str = Field(
+        "runs/grpo_async", description="metrics.jsonl, curves.png, config.yaml and checkpoints/ go here"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AsyncGRPORunConfig:
