@@ -21,7 +21,7 @@ from rich.table import Table
 
 from posttrain.config import Config, ConfigError, format_validation_error, load_config
 
-console = Console()
+console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
@@ -306,6 +306,9 @@ def user_error(e: BaseException) -> tuple[str, int, str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per weights load/save: noise in a run's own progress
     try:
         return args.func(args)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the training loop
