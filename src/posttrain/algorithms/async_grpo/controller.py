@@ -343,7 +343,8 @@ class AsyncGRPOController:
         if self._in_step or not self._running:
             raise RuntimeError("settle() is for between steps of a running controller (from on_step)")
         target = self.cfg.target_prompt_groups_per_step
-        deadline = self.clock() + self.cfg.admission_timeout_s
+        start, in_flight = self.clock(), len(self.pool.in_flight)
+        deadline = start + self.cfg.admission_timeout_s
         self.pool.limit = target
         try:
             while True:
@@ -363,6 +364,12 @@ class AsyncGRPOController:
         finally:
             self.pool.limit = None
         self.sampler.seal()
+        log.info(
+            "settled for the checkpoint in %.2fs: %d group(s) were in flight, %d buffered and sealed",
+            self.clock() - start,
+            in_flight,
+            len(self.sampler),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable controller state; take it between steps (e.g. in `on_step`) or after `run()`.
