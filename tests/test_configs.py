@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
 from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.sft import SFTConfig
@@ -37,6 +38,8 @@ def test_example_config_validates(path):
         if path.name.startswith("sft")
         else DemoConfig
         if path.name.startswith("demo")
+        else AsyncGRPORunConfig
+        if path.name.startswith("grpo_async")
         else GRPOConfig
     )
     cfg = load_config(cls, path)
