@@ -50,6 +50,43 @@ def test_clipped_pg_sequence_level_formula():
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_gspo_sequence_ratio_equals_the_papers_formula_in_value_and_gradient():
+    """GSPO (Zheng et al. 2025, eq. 5-7): s_i = (pi(y_i)/pi_old(y_i))^(1/|y_i|), loss
+    -1/G sum_i min(s_i A_i, clip(s_i, 1-eps_l, 1+eps_h) A_i), written out directly here."""
+    batch, lp, mask = setup()
+    adv = batch["advantages"][:, :1].expand_as(lp).contiguous()  # one advantage per sequence
+    batch["advantages"] = adv
+    prev = batch["prev_logprobs"]
+    lo, hi = 0.05, 0.08  # narrow enough that some sequences are clipped and some are not
+    ours_lp = lp.clone().requires_grad_(True)
+    ours, metrics = call(
+        ClippedPGLoss(ratio_level="sequence", token_level_loss=False, ratio_clip_min=lo, ratio_clip_max=hi),
+        ours_lp,
+        batch,
+    )
+    ours.backward()
+
+    paper_lp = lp.clone().requires_grad_(True)
+    rows = batch["sample_mask"] > 0  # the G sequences of the group (a masked row is not one)
+    m = mask[rows]
+    s = (((paper_lp[rows] - prev[rows]) * m).sum(-1) / m.sum(-1)).exp()
+    a = adv[rows, 0]
+    paper = -torch.minimum(s * a, s.clamp(1 - lo, 1 + hi) * a).mean()
+    paper.backward()
+    clipped = s.clamp(1 - lo, 1 + hi) != s
+    assert clipped.any() and not clipped.all(), s  # both regimes are exercised
+    assert float(ours.detach()) == pytest.approx(float(paper.detach()), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(ours_lp.grad, paper_lp.grad, rtol=1e-6, atol=1e-7)
+    assert float(metrics["probs_ratio_max"]) == pytest.approx(float(s.detach().max()), rel=1e-6)
+
+
+def test_gspo_token_ratio_level_is_the_default_and_differs():
+    batch, lp, _ = setup()
+    token = call(ClippedPGLoss(token_level_loss=False), lp, batch)[0]
+    sequence = call(ClippedPGLoss(token_level_loss=False, ratio_level="sequence"), lp, batch)[0]
+    assert ClippedPGLoss().cfg.ratio_level == "token" and float(token) != pytest.approx(float(sequence))
+
+
 def test_dual_clip_bounds_negative_advantage_loss():
     batch, lp, mask = setup()
     batch["advantages"] = -torch.ones_like(batch["advantages"])

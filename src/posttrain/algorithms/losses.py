@@ -130,12 +130,27 @@ class ClippedPGConfig(Config):
     disable_ppo_ratio: bool = Field(
         False, description="plain policy gradient: -A * logprob, no ratio or clip"
     )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: one ratio per token (PPO/GRPO); sequence: GSPO, one ratio per sequence, "
+        "exp of the mean token log-ratio, clipped per sequence (pair it with token_level_loss=false and "
+        "clip ranges of ~3e-4/4e-4 as the GSPO paper does)",
+    )
     force_on_policy_ratio: bool = Field(
         False,
         description="the step is one optimizer step at the weights that made the batch's prev logprobs, "
         "so prev := lp.detach() (ratio exp(lp - lp.detach()): 1 in value, on-policy grad; IS weight "
         "exp(lp.detach() - gen) and the mismatch metrics alike) and the batch needs no prev_logprobs",
     )
+
+
+def _sequence_ratio(logprobs: torch.Tensor, prev: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's ratio as a [B, T] tensor: every token of sequence i holds s_i = exp(mean_t (lp - prev)) in
+    value, with gradient s_i * d lp_t (GSPO-token: sg[s_i] * exp(lp_t - sg[lp_t])). A loss that averages
+    each sequence over its own tokens then has exactly GSPO's value and gradient, s_i * mean_t d lp_t,
+    and every token of a sequence is clipped alike."""
+    seq = ((logprobs.detach() - prev) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return (seq[:, None] + logprobs - logprobs.detach()).exp()
 
 
 class ClippedPGLoss:
@@ -192,7 +207,10 @@ class ClippedPGLoss:
         gen = batch["generation_logprobs"].float()
         # force_on_policy_ratio: the trainer's logprobs before the update are these, so no extra forward
         prev = logprobs.detach().float() if cfg.force_on_policy_ratio else batch["prev_logprobs"].float()
-        ratio = (logprobs - prev).exp()
+        if cfg.ratio_level == "sequence":
+            ratio = _sequence_ratio(logprobs, prev, red.mask)
+        else:
+            ratio = (logprobs - prev).exp()
         if cfg.disable_ppo_ratio:
             pg = -adv * logprobs
             clipped = torch.zeros_like(pg)
