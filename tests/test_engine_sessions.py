@@ -128,7 +128,7 @@ def test_a_group_shares_its_first_prefill_and_then_continues_per_session():
     engine = make_engine(max_num_seqs=8)
     rows: list[int] = []
     plan = engine.cache.plan_prefill
-    engine.cache.plan_prefill = lambda start, n: (rows.append(n), plan(start, n))
+    engine.cache.plan_prefill = lambda start, n, *a: (rows.append(n), plan(start, n, *a))
     extends = count_extends(engine)
     got = converse(engine, [first] * 4, SEEDED, turns=2)
     want = converse(make_engine(max_num_seqs=8), [first] * 4, SEEDED, turns=2, sessions=False)

@@ -576,7 +576,7 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_results():
     engine = make_engine(max_num_seqs=16)
     prefilled = []
     plan = engine.cache.plan_prefill
-    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+    engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
     got = engine.generate(prompts, params)
     assert prefilled == [3]
     alone = make_engine(max_num_seqs=16, max_prefill_tokens=1).generate(prompts, params)  # one per chunk
@@ -593,7 +593,7 @@ def test_prefill_budget_counts_a_repeated_prompt_once():
     engine = make_engine(max_num_seqs=16, max_prefill_tokens=len(a))
     prefilled = []
     plan = engine.cache.plan_prefill
-    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+    engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
     results = engine.generate([a] * 8 + [b] * 8, SamplingParams(max_new_tokens=2, seed=0))
     assert prefilled == [1, 1]  # two forwards of one distinct row each, admitting 8 requests each
     assert [r.prompt_token_ids for r in results] == [a] * 8 + [b] * 8
@@ -611,7 +611,7 @@ def test_finished_slots_are_refilled_in_batches_with_the_same_results():
         engine = make_engine(max_num_seqs=8, **cfg)
         prefilled: list[int] = []
         plan = engine.cache.plan_prefill
-        engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+        engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
         return engine.generate(prompts, params), prefilled
 
     at_once, eager = run(admit_min_free_fraction=0.0)
@@ -655,7 +655,7 @@ def test_requests_gathered_in_one_loop_turn_are_admitted_together():
     engine = make_engine(max_num_seqs=8)
     prefilled = []
     plan = engine.cache.plan_prefill
-    engine.cache.plan_prefill = lambda first, rows: (prefilled.append(rows), plan(first, rows))
+    engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
 
     async def main():
         return await asyncio.gather(*(engine.agenerate(prompt, p) for p in params))
@@ -722,10 +722,11 @@ def test_sync_calls_after_async_use_neither_hang_nor_lose_results():
     assert [r.request_id for r in engine.step()] == [rid]
 
 
-def test_mistral_sliding_window_shorter_than_the_context_is_refused():
+def test_mistral_sliding_window_shorter_than_the_context_is_windowed():
     """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
-    the engine's context must be refused, not silently treated as full attention."""
+    the engine's context is applied (ring buffers of the window, no lean decoder; exactness in
+    tests/test_engine_windows.py), not silently treated as full attention."""
     model = family_model("mistral", num_hidden_layers=1, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
-        GenerationEngine(model, TOK, GenerationConfig(max_model_len=64))
+    engine = GenerationEngine(model, TOK, GenerationConfig(max_model_len=64))
+    assert engine.cache.capacities == [16] and engine._lean is None
     assert GenerationEngine(model, TOK, GenerationConfig(max_model_len=16))._lean is not None

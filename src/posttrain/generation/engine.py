@@ -1,7 +1,9 @@
 """The batched generation engine: prefill, then decode with a per-slot KV cache, continuous batching.
 
 `GenerationEngine(model, tokenizer, cfg)` wraps any Hugging Face causal LM whose attention layers
-use the `past_key_values.update(...)` protocol (Llama, Qwen2, Mistral-style models). Requests wait
+use the `past_key_values.update(...)` protocol (Llama, Qwen2/3, Mistral, Gemma2/3, gpt-oss). Layers
+with a sliding window get masks of their own and keep only the window's keys/values; models whose
+attention soft-caps or has sinks run eager attention (generation/windows.py). Requests wait
 in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, up to
 `max_prefill_tokens` per forward), then decodes one token for every active slot. A finished
 sequence frees its slot at once; waiting prompts take the free slots (continuous batching) once a
@@ -53,6 +55,7 @@ from posttrain.generation.sampler import RowParams, mix64, request_key, sample
 from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
+from posttrain.generation.windows import WindowMasks, check_supported, prepare_attention
 from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
 
@@ -60,20 +63,6 @@ __all__ = ["EngineStateError", "GenerationEngine"]
 
 _UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user-seeded ones
 DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds the KV cache)
-
-
-def _check_supported(model, max_len: int) -> None:
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("GenerationEngine runs decoder-only causal LMs; this model is encoder-decoder")
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
-    uses_window = getattr(config, "use_sliding_window", True)  # Qwen2 has the flag, Mistral does not
-    if sliding or (uses_window and window and window < max_len):
-        raise ValueError(
-            "sliding-window attention is not supported by GenerationEngine yet; set max_model_len <= "
-            f"sliding_window ({window}) or disable the sliding window in the model config"
-        )
 
 
 class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
@@ -98,10 +87,12 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_len = int(self.cfg.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN))
-        _check_supported(model, self.max_len)
+        check_supported(model, self.max_len)
+        prepare_attention(self.model)  # one that takes our 4-D masks and applies soft-caps and sinks
+        self._masks = WindowMasks(config, self.max_len, self._additive)  # per layer type (windows.py)
         self._head = LMHead(model.get_output_embeddings(), self.cfg.max_num_seqs)
         self._body = plain_head_body(model)  # set: the engine applies the LM head itself
-        self._lean = LeanDecoder.for_model(model) if self._body is not None else None
+        self._lean = LeanDecoder.for_model(model, self.max_len) if self._body is not None else None
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
@@ -116,7 +107,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
 
     def _build_slots(self) -> None:
         s, dev = self.cfg.max_num_seqs, self.device
-        self.cache = SlotKVCache(self.model.config.num_hidden_layers, s, self.max_len)
+        self.cache = SlotKVCache(self.model.config.num_hidden_layers, s, self.max_len, self._masks.capacities)
         self._last = torch.zeros(s, dtype=torch.long, device=dev)  # last drawn token of each slot
         self._pos = torch.zeros(s, dtype=torch.long, device=dev)  # where that token is written
         self._count = torch.zeros(s, dtype=torch.long, device=dev)  # tokens drawn so far
@@ -386,8 +377,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         lengths = torch.tensor([len(r.prompt) for r in firsts], dtype=torch.long, device=self.device)
         ar = self._arange[:width]
         mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
-        self.cache.plan_prefill(n0, u)
-        mask = self._additive(mask)[:, None]
+        self.cache.plan_prefill(n0, u, lengths)
+        mask = self._masks.prefill(mask)
         logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
         self.num_prefill_tokens += sum(len(r.prompt) for r in firsts)
         if repeats:
@@ -467,7 +458,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             )
         length = max(r.position for r in self._active) + 1
         pos = self._pos[:n]
-        mask = self._additive(self._arange[:length][None, :] <= pos[:, None])[:, None, None, :]
+        mask = self._masks.decode(self._arange[:length][None, :] <= pos[:, None])
         self.cache.plan_decode(n, pos, length)
         if self._lean is not None and self.cache.keys[0] is not None:
             logits = self._head(self._lean(self._last[:n], pos, mask, self.cache), self._shared)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.generation.kv_cache import SlotKVCache
+from posttrain.generation.windows import layer_windows
 
 _FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -79,10 +80,14 @@ class LeanDecoder:
         self.scaling = [layer.self_attn.scaling for layer in body.layers]
 
     @classmethod
-    def for_model(cls, model) -> LeanDecoder | None:
+    def for_model(cls, model, max_len: int | None = None) -> LeanDecoder | None:
+        """The lean decoder of `model`, or None. It attends over every cached position, so a model
+        with a sliding window that cuts anything at `max_len` (None: at any length) is not one."""
         config = model.config
         body = getattr(model, "model", None)
         if getattr(config, "model_type", None) not in _FAMILIES or body is None:
+            return None
+        if any(w is not None for w in layer_windows(config, max_len or config.max_position_embeddings + 1)):
             return None
         if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
             return None

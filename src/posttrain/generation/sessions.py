@@ -31,6 +31,7 @@ import torch
 from posttrain.generation.kv_cache import KVPrefix, SlotKVCache
 from posttrain.generation.params import GenerationConfig
 from posttrain.generation.requests import Request
+from posttrain.generation.windows import WindowMasks
 
 
 class SessionStore:
@@ -46,7 +47,7 @@ class SessionStore:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.kv.numel() * e.kv.element_size() for e in self._entries.values())
+            return sum(e.nbytes() for e in self._entries.values())
 
     def match(self, key: Hashable, prompt: list[int]) -> KVPrefix | None:
         """The entry of `key` if its token ids are a strict prefix of `prompt` (it is then the most
@@ -113,7 +114,7 @@ class EngineSessions:
     _active: list[Request]
     _arange: torch.Tensor
     _forward_at: Callable[..., torch.Tensor]
-    _additive: Callable[[torch.Tensor], torch.Tensor]
+    _masks: WindowMasks
     _start: Callable[..., list[Request]]
 
     def _build_sessions(self) -> None:
@@ -170,10 +171,11 @@ class EngineSessions:
         ids = torch.tensor([t + [self.pad_token_id] * (width - len(t)) for t in new], device=self.device)
         offsets = torch.tensor([len(p) for p in prefixes], device=self.device)
         lengths = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
-        positions = self.cache.plan_extend(n0, offsets, width, length)
+        positions = self.cache.plan_extend(n0, offsets, width, length, lengths)
         keys = self._arange[:length][None, None, :]
-        mask = (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
-        logits = self._forward_at(ids, positions, self._additive(mask)[:, None], lengths - offsets - 1)
+        full = (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
+        mask = self._masks.extend(full, positions, offsets, lengths)  # per layer type (windows.py)
+        logits = self._forward_at(ids, positions, mask, lengths - offsets - 1)
         self.num_reused_tokens += sum(map(len, prefixes))
         self.num_prefill_tokens += sum(map(len, new))
         for r in chunk:
