@@ -30,7 +30,7 @@ def padded(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.tensor([len(s) for s in sequences])
 
 
-PENDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss"}  # issue 25: windows, eager attention
+PENDING = {"gemma2", "gpt_oss"}  # issue 25: the trainer loads them with sdpa, which transformers lacks for them
 
 
 @pytest.mark.parametrize(
