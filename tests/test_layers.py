@@ -24,6 +24,7 @@ LAYERS = [
         "config_keys",
         "checkpoint",
         "checkpoint_verify",
+        "tokenizer_files",
         "rng_state",
         "dtypes",
         "logging",

@@ -244,3 +244,56 @@ def test_metric_kinds_rescale_placeholder_sums():
             assert final[k] == pytest.approx(float(v), rel=1e-6), k
         assert final["num_valid_samples"] == 5  # raw counts are not divided
     assert ClippedPGLoss(token_level_loss=False).loss_type == LossType.SEQUENCE_LEVEL
+
+
+def _trl_dr_grpo(lp, old, ref, adv, completion_mask, max_completion_length, eps=0.2, beta=0.0):
+    """TRL GRPOTrainer._compute_loss with loss_type="dr_grpo" (trl/trainer/grpo_trainer.py, token-level
+    importance sampling, no vLLM correction), on completion-only [B, C] tensors."""
+    coef_1 = torch.exp(lp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+    per_token_loss = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
+    return (per_token_loss * completion_mask).sum() / (per_token_loss.size(0) * max_completion_length)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_dr_grpo_equals_trl_and_keeps_the_global_contract(beta):
+    """Our rows are prompt (3 tokens) + completion (up to 9); TRL's tensors are the completions alone. Two
+    micro-batches with the global counts sum to TRL's loss on the whole batch (1e-6)."""
+    g = torch.Generator().manual_seed(3)
+    b, p, c, max_len = 6, 3, 9, 12
+    lengths = torch.tensor([9, 4, 7, 1, 9, 5])
+    completion_mask = (torch.arange(c)[None] < lengths[:, None]).float()
+    lp, old, ref = (-torch.rand(b, c, generator=g) * 2 - 0.1 for _ in range(3))
+    adv = torch.randn(b, generator=g)
+    pad = lambda x: torch.nn.functional.pad(x, (p, 0))  # noqa: E731 - prompt positions in front
+    from posttrain.data.batch import make_batch
+
+    batch = make_batch(
+        input_ids=torch.ones(b, p + c, dtype=torch.long), input_lengths=p + lengths, token_mask=pad(completion_mask),
+        sample_mask=torch.ones(b), advantages=pad(adv[:, None].expand(b, c)), prev_logprobs=pad(old),
+        generation_logprobs=pad(old), reference_logprobs=pad(ref),
+    )  # fmt: skip
+    loss_fn = ClippedPGLoss(
+        loss_type="dr_grpo", max_completion_length=max_len, reference_policy_kl_penalty=beta,
+        kl_input_clamp_value=None, kl_output_clamp_value=None,
+    )  # fmt: skip
+    assert loss_fn.loss_type == LossType.SEQUENCE_LEVEL
+    seqs, toks = batch["sample_mask"].sum(), completion_mask.sum()
+    ours = sum(loss_fn(pad(lp)[i : i + 3], batch[i : i + 3], seqs, toks)[0] for i in (0, 3))
+    expected = _trl_dr_grpo(lp, old, ref, adv, completion_mask, max_len, beta=beta)
+    assert float(ours) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    dapo = ClippedPGLoss(
+        reference_policy_kl_penalty=beta, kl_input_clamp_value=None, kl_output_clamp_value=None
+    )
+    assert float(call(dapo, pad(lp), batch)[0]) != pytest.approx(float(expected), rel=1e-3)  # not the default
+
+
+def test_dr_grpo_needs_its_constant():
+    with pytest.raises(ValueError, match="set loss.max_completion_length"):
+        ClippedPGLoss(loss_type="dr_grpo")
+    from posttrain.algorithms.losses import ClippedPGConfig, with_completion_length
+
+    cfg = with_completion_length(ClippedPGConfig(loss_type="dr_grpo"), 16)
+    assert ClippedPGLoss(cfg).constant == 16

@@ -62,6 +62,7 @@ from posttrain.checkpoint_verify import (
 )
 from posttrain.logging import get_logger
 from posttrain.rng_state import load_rng, save_rng
+from posttrain.tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
@@ -376,7 +377,7 @@ def _write_rank0_files(
     if config is not None:
         config.save_pretrained(hf_dir)
     if tokenizer is not None:
-        tokenizer.save_pretrained(hf_dir)
+        save_tokenizer(tokenizer, hf_dir)  # loads back as itself through AutoTokenizer
 
 
 def _full_mesh(mesh: dict[str, int] | None, world: int) -> dict[str, int]:

@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from posttrain.algorithms.checkpointing import CheckpointManager
 from posttrain.algorithms.grpo_config import GRPORunSections
-from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
+from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     RunInterrupted,
     StopOnInterrupt,
@@ -238,9 +238,10 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
     engine = GenerationEngine(engine_model(cfg.policy.model, cfg.policy.lora, tokenizer), tokenizer, gen_cfg)
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
-    run = Run(cfg, parts.out, policy, engine, task, tokenizer, ClippedPGLoss(cfg.loss), sync)
+    loss_cfg = with_completion_length(cfg.loss, cfg.sampling.max_new_tokens)
+    run = Run(cfg, parts.out, policy, engine, task, tokenizer, ClippedPGLoss(loss_cfg), sync)
     if skips_prev_logprobs(cfg):
-        run.loss_fn = ClippedPGLoss(cfg.loss.model_copy(update={"force_on_policy_ratio": True}))
+        run.loss_fn = ClippedPGLoss(loss_cfg.model_copy(update={"force_on_policy_ratio": True}))
     run.share_weights = (
         cfg.weight_sync.share == "auto" and not time_shares_device(run) and can_share(policy, engine)
     )

@@ -34,6 +34,7 @@ __all__ = [
     "LossType",
     "NLLLoss",
     "kl_penalty",
+    "with_completion_length",
 ]
 
 
@@ -49,19 +50,28 @@ class _Reducer:
     """Normalizes per-token values of one micro-batch according to the contract above."""
 
     def __init__(
-        self, batch: TensorDict, loss_type: LossType, global_seqs: torch.Tensor, global_toks: torch.Tensor
+        self,
+        batch: TensorDict,
+        loss_type: LossType,
+        global_seqs: torch.Tensor,
+        global_toks: torch.Tensor,
+        constant: int | None = None,
     ):
         self.mask = token_weights(batch)
         self.sample_mask = batch["sample_mask"].float()
         self.loss_type = loss_type
         self.seqs = global_seqs
         self.toks = global_toks
+        self.constant = constant  # Dr.GRPO: a sequence's value is its token sum / constant
 
     def toks_mean(self, values: torch.Tensor) -> torch.Tensor:
         return (values * self.mask).sum() / self.toks
 
     def seqs_mean(self, per_token: torch.Tensor) -> torch.Tensor:
-        per_seq = (per_token * self.mask).sum(-1) / self.mask.sum(-1).clamp(min=1)
+        """Each sequence's token mean (its token sum / `constant` under Dr.GRPO), summed over the
+        micro-batch's valid sequences / global valid sequences."""
+        own = self.mask.sum(-1).clamp(min=1) if self.constant is None else self.constant
+        per_seq = (per_token * self.mask).sum(-1) / own
         return (per_seq * self.sample_mask).sum() / self.seqs
 
     def by_loss_type(self, values: torch.Tensor) -> torch.Tensor:
@@ -118,6 +128,19 @@ class ClippedPGConfig(Config):
     )
     kl_output_clamp_value: float | None = Field(10.0, gt=0, description="clamp of the per-token KL value")
     token_level_loss: bool = Field(True, description="token-level mean (True) or per-sequence mean (False)")
+    loss_type: Literal["token_level", "sequence_level", "dr_grpo"] | None = Field(
+        None,
+        description="normalization of the masked token sum, overriding token_level_loss: token_level "
+        "(/ global valid tokens; TRL 'dapo'), sequence_level (each sequence's token mean / global valid "
+        "sequences; TRL 'grpo'), dr_grpo (/ (global valid sequences x max_completion_length); TRL "
+        "'dr_grpo', Dr.GRPO's constant normalization)",
+    )
+    max_completion_length: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo's constant (TRL's max_completion_length); None: the run's "
+        "sampling.max_new_tokens",
+    )
     use_importance_sampling_correction: bool = Field(
         False, description="weight tokens by pi_prev/pi_gen to correct for generation/trainer mismatch"
     )
@@ -153,6 +176,13 @@ def _sequence_ratio(logprobs: torch.Tensor, prev: torch.Tensor, mask: torch.Tens
     return (seq[:, None] + logprobs - logprobs.detach()).exp()
 
 
+def with_completion_length(cfg: ClippedPGConfig, max_new_tokens: int) -> ClippedPGConfig:
+    """`cfg` with dr_grpo's constant defaulted to the run's `max_new_tokens` (TRL's max_completion_length)."""
+    if cfg.loss_type == "dr_grpo" and cfg.max_completion_length is None:
+        return cfg.model_copy(update={"max_completion_length": max_new_tokens})
+    return cfg
+
+
 class ClippedPGLoss:
     """Clipped surrogate policy-gradient loss with optional dual clip, reference KL and IS correction."""
 
@@ -175,7 +205,16 @@ class ClippedPGLoss:
 
     def __init__(self, cfg: ClippedPGConfig | None = None, **kwargs) -> None:
         self.cfg = cfg or ClippedPGConfig(**kwargs)
-        self.loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+        mode = self.cfg.loss_type or ("token_level" if self.cfg.token_level_loss else "sequence_level")
+        # Dr.GRPO is sequence-level with a constant per-sequence divisor: sum / (seqs x L) =
+        # sum over sequences of (token sum / L) / seqs, so the global contract holds as it is
+        self.loss_type = LossType.TOKEN_LEVEL if mode == "token_level" else LossType.SEQUENCE_LEVEL
+        self.constant = self.cfg.max_completion_length if mode == "dr_grpo" else None
+        if mode == "dr_grpo" and self.constant is None:
+            raise ValueError(
+                "loss_type=dr_grpo divides by max_completion_length: set loss.max_completion_length (the "
+                "GRPO loops set it to sampling.max_new_tokens)"
+            )
 
     @property
     def required_keys(self) -> tuple[str, ...]:
@@ -202,7 +241,7 @@ class ClippedPGLoss:
 
     def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
         cfg = self.cfg
-        red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks)
+        red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks, self.constant)
         adv = batch["advantages"].float()
         gen = batch["generation_logprobs"].float()
         # force_on_policy_ratio: the trainer's logprobs before the update are these, so no extra forward

@@ -109,6 +109,11 @@ def context_parallel_attention(
             "context parallelism does not implement attention logit soft-capping (Gemma2-style models); "
             "use parallel.context_parallel_size=1"
         )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "context parallelism does not implement attention sinks (gpt-oss-style models); "
+            "use parallel.context_parallel_size=1"
+        )
     if posttrain_cp is None:
         raise RuntimeError(
             "a context-parallel model was called without its layout: its attention did not receive the "

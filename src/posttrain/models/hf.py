@@ -20,6 +20,8 @@ from transformers import (
 
 from posttrain.config import Config
 from posttrain.logging import get_logger
+from posttrain.models.families import attn_implementation
+from posttrain.tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
@@ -67,7 +69,9 @@ def build_tiny_model(vocab_size: int, seed: int = 0, cfg: TinyModelConfig | None
     config = tiny_config(vocab_size, cfg, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation(config)
+        )
     return model
 
 
@@ -178,13 +182,13 @@ def load_hf_config(name_or_path: str) -> PretrainedConfig:
         raise ValueError(f"could not load the config of model '{name_or_path}': {e}") from e
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """`from_pretrained` on a local directory or hub name, with fp32 master weights by default."""
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn: str | None = None):
+    """`from_pretrained` on a local directory or hub name, with fp32 master weights by default and the
+    family's attention implementation (`models.families.attn_implementation`) unless `attn` names one."""
     source, kwargs = hf_source(name_or_path)
+    attn = attn or attn_implementation(load_hf_config(name_or_path))
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
-        )
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **kwargs)
     except OSError as e:
         raise ValueError(
             f"could not load model '{name_or_path}': {e}. Pass a local directory with config.json and "
@@ -218,5 +222,5 @@ def save_hf(model, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Pat
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)  # loads back as itself through AutoTokenizer
     return out

@@ -66,17 +66,28 @@ def sliding_window(model) -> int | None:
 
 def _packed_mask(model, mask: torch.Tensor):
     """The block-causal mask of a packed row as the model's layers need it: narrowed to the model's
-    sliding window (a packed row's token distance within a sequence is its position distance), and a
-    {layer type: mask} mapping when full and sliding layers alternate."""
+    sliding window (a packed row's token distance within a sequence is its position distance), a
+    {layer type: mask} mapping when full and sliding layers alternate, and additive under eager
+    attention (see `_additive_for_eager`)."""
     window = sliding_window(model)
     if window is None:
-        return mask
+        return _additive_for_eager(model, mask)
     ar = torch.arange(mask.shape[-1], device=mask.device)
-    windowed = mask & (ar[:, None] - ar[None, :] < window)
+    windowed = _additive_for_eager(model, mask & (ar[:, None] - ar[None, :] < window))
     types = getattr(model.config, "layer_types", None)
     if types is not None and any(t != "sliding_attention" for t in types):
-        return {"full_attention": mask, "sliding_attention": windowed}
+        return {"full_attention": _additive_for_eager(model, mask), "sliding_attention": windowed}
     return windowed
+
+
+def _additive_for_eager(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean 4-D mask as the model's attention wants it: bool for sdpa, additive fp32 for eager,
+    whose attention adds the mask to the scores as it is (a bool mask would add 1/0, not -inf: packed
+    Gemma2 and gpt-oss rows, which run eager, attended across sequences)."""
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return allowed
+    zero = torch.zeros((), dtype=torch.float32, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(torch.float32).min)
 
 
 def model_logits(model, mb: MicroBatch) -> torch.Tensor:
@@ -183,11 +194,7 @@ def supports_shared_prefix(model) -> bool:
 def _mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """A boolean [b, q, k] mask as the model's attention wants it: bool for sdpa (any query dtype),
     additive fp32 for eager (added to the scores, which promotes them; softmax then runs in fp32)."""
-    allowed = allowed[:, None]
-    if model.config._attn_implementation == "sdpa":
-        return allowed
-    zero = torch.zeros((), dtype=torch.float32, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(torch.float32).min)
+    return _additive_for_eager(model, allowed[:, None])
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from posttrain.models.families import check_trainable
 from posttrain.models.hf import tie_lm_head
 from posttrain.models.lora import ADAPTER, lora_layers
 from posttrain.parallel.dims import ParallelDims
@@ -137,15 +138,17 @@ def check_parallel_support(config, dims: ParallelDims) -> None:
     """Raise ValueError, naming the fix, when `dims` cannot run this model: a TP size that does not
     divide it, a model type without a TP plan (or without our plan, for sequence parallelism), or
     attention that context parallelism does not implement. Cheap: the driver calls it before any rank
-    starts, and `parallelize()` on every rank."""
-    if dims.tp_enabled:
-        check_tp_divides(config, dims.tp)
-        _tp_plan(config, dims.sequence_parallel)
+    starts, and `parallelize()` on every rank. The model type must be in the support table
+    (models/families.py) with the layout's flags."""
     if dims.cp_enabled and getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(
             f"context parallelism does not implement attention logit soft-capping (model type "
             f"'{config.model_type}'); use parallel.context_parallel_size=1"
         )
+    check_trainable(config, tensor_parallel=dims.tp_enabled, context_parallel=dims.cp_enabled)
+    if dims.tp_enabled:
+        check_tp_divides(config, dims.tp)
+        _tp_plan(config, dims.sequence_parallel)
 
 
 def _tp_plan(config, sequence_parallel: bool) -> dict[str, ParallelStyle] | None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from posttrain.models.families import attn_implementation, check_generation_support, check_trainable
 from posttrain.models.hf import (
     build_tiny_model,
     load_hf_config,
@@ -43,6 +44,7 @@ def load_full_model(cfg: ModelConfig, tokenizer):
 def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
     """The model an engine starts from: the policy's base model, with the policy's LoRA adapters when
     weight sync sends adapters alone (`lora.engine=adapters`; their values come with each sync)."""
+    check_generation_support(model_config(cfg, tokenizer))  # before weights load
     model = load_full_model(cfg, tokenizer)
     return add_lora(model, lora) if lora is not None and lora.engine == "adapters" else model
 
@@ -62,13 +64,18 @@ def build_policy_model(
     (broadcast into every shard). With `cfg.lora`, adapters are injected before parallelizing (rank 0's
     initialization is the one every layout gets). Under FSDP2, `dims.build_mesh()` must have run."""
     ac = cfg.parallel.activation_checkpointing
+    check_trainable(
+        model_config(cfg.model, tokenizer), dims.tp_enabled, dims.cp_enabled
+    )  # before weights load
     if not dims.fsdp_enabled:
         model = _with_lora(load_full_model(cfg.model, tokenizer), cfg).to(device)
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     full = _with_lora(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
     config = full.config if full is not None else model_config(cfg.model, tokenizer)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation(config)
+        )
     _with_lora(model, cfg)
     parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     model.to_empty(device=dims.param_device(device))

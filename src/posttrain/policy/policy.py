@@ -34,8 +34,8 @@ class Policy:
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.world_size = cfg.cluster.num_workers
         self.dims = cfg.parallel.dims(self.world_size)
-        if self.dims.tp_enabled or self.dims.cp_enabled:  # before any rank starts; the error names the fix
-            check_parallel_support(model_config(cfg.model), self.dims)
+        # before any rank starts or any weights load; the error names the fix
+        check_parallel_support(model_config(cfg.model), self.dims)
         self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
         self._step_loss: LossFn | None = None
 

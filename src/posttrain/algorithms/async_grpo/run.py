@@ -45,7 +45,7 @@ from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunS
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointManager
-from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss
+from posttrain.algorithms.losses import ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
     check_fresh_start,
@@ -222,7 +222,7 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
     """`async_grpo.loss`, taking prev logprobs from its training forward when the trainer skips their
     separate pass (see the module docstring); warns when stale samples are trained without importance
     sampling."""
-    loss_cfg: ClippedPGConfig = cfg.async_grpo.loss
+    loss_cfg = with_completion_length(cfg.async_grpo.loss, cfg.sampling.max_new_tokens)
     if skip_prev:
         loss_cfg = loss_cfg.model_copy(update={"force_on_policy_ratio": True})
     if cfg.async_grpo.max_staleness > 0 and not loss_cfg.use_importance_sampling_correction:
