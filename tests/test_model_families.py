@@ -30,16 +30,7 @@ def padded(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.tensor([len(s) for s in sequences])
 
 
-PENDING = {"gemma2", "gpt_oss"}  # issue 25: the trainer loads them with sdpa, which transformers lacks for them
-
-
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="issue 25")) if f in PENDING else f
-        for f in FAMILIES
-    ],
-)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_generates_exactly_and_trains(family, tmp_path):
     path = save_family_model(family, TOK, tmp_path / family, seed=3)
     policy = Policy(policy_cfg(model={"name": str(path)}, train_global_batch_size=8))

@@ -56,6 +56,7 @@ from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
 from posttrain.generation.windows import WindowMasks, check_supported, prepare_attention
+from posttrain.models.families import check_generation_support
 from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
 
@@ -80,6 +81,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
     # ------------------------------------------------------------------ construction
 
     def _build_model(self, model) -> None:
+        check_generation_support(model.config)  # the support table: a clear refusal before any work
         first = next(model.parameters())
         self.device = torch.device(self.cfg.device) if self.cfg.device else first.device
         self.dtype = first.dtype if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
