@@ -229,6 +229,17 @@ def test_dpo_prefers_chosen():
         call(loss_fn, lp[:5], batch[:5])
 
 
+def test_ipo_is_the_squared_length_normalised_margin():
+    batch, lp, _ = setup()
+    batch["sample_mask"] = torch.ones(6)
+    loss, _ = call(DPOLoss(beta=0.5, loss_type="ipo"), lp, batch)
+    m = batch["token_mask"].clone()
+    m[:, 0] = 0
+    r = ((lp - batch["reference_logprobs"]) * m).sum(-1) / m.sum(-1)
+    expected = ((r[0::2] - r[1::2] - 1 / (2 * 0.5)) ** 2).mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
 def test_metric_kinds_rescale_placeholder_sums():
     """Placeholder counts of 1 then finalize == calling with the true counts."""
     batch, lp, mask = setup()

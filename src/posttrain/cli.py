@@ -25,7 +25,7 @@ console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
-CONFIG_COMMANDS = ("demo", "sft", "grpo", "grpo-async")  # the commands `config show` knows
+CONFIG_COMMANDS = ("demo", "sft", "dpo", "grpo", "grpo-async")  # the commands `config show` knows
 
 
 def config_class(command: str) -> type[Config]:
@@ -33,10 +33,17 @@ def config_class(command: str) -> type[Config]:
     use: the training stack is slow to import)."""
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.dpo import DPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
     from posttrain.algorithms.sft import SFTConfig
 
-    classes = {"demo": DemoConfig, "sft": SFTConfig, "grpo": GRPOConfig, "grpo-async": AsyncGRPORunConfig}
+    classes = {
+        "demo": DemoConfig,
+        "sft": SFTConfig,
+        "dpo": DPORunConfig,
+        "grpo": GRPOConfig,
+        "grpo-async": AsyncGRPORunConfig,
+    }
     return classes[command]
 
 
@@ -56,6 +63,17 @@ def _sft(args: argparse.Namespace) -> int:
         f"[bold green]SFT done[/]: train loss {result.get('loss', float('nan')):.4f}, "
         f"held-out loss {result.get('val_loss', float('nan')):.4f}; outputs in {escape(cfg.output_dir)}"
     )
+    return 0
+
+
+def _dpo(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.dpo import run_dpo
+
+    cfg = load_config(config_class("dpo"), args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
+    result = run_dpo(cfg)
+    shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out preference accuracy"})
+    console.print(f"[bold green]DPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -216,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
             "asynchronous GRPO: rollouts stream while the trainer trains (bounded staleness)",
         ),
         ("sft", _sft, "supervised fine-tuning (warm start)"),
+        ("dpo", _dpo, "direct preference optimization on (prompt, chosen, rejected) pairs (DPO, IPO, RPO)"),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")

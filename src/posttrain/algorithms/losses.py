@@ -314,8 +314,15 @@ class NLLLoss:
 class DPOConfig(Config):
     """Direct preference optimization options."""
 
-    beta: float = Field(0.1, gt=0, description="inverse temperature of the implicit reward")
-    sft_weight: float = Field(0.0, ge=0, description="weight of an NLL term on the chosen responses")
+    beta: float = Field(0.1, gt=0, description="inverse temperature of the implicit reward (IPO: its tau)")
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO, -log sigmoid(beta * margin); ipo: (margin' - 1/(2 beta))^2 with each "
+        "sequence's log-ratio averaged over its tokens (as TRL, after the IPO authors)",
+    )
+    sft_weight: float = Field(
+        0.0, ge=0, description="weight of an NLL term on the chosen responses (RPO's alpha; 0 = off)"
+    )
 
 
 class DPOLoss:
@@ -349,7 +356,12 @@ class DPOLoss:
         chosen, rejected = seq_logratio[0::2], seq_logratio[1::2]
         pair_mask = batch["sample_mask"].float()[0::2]
         margin = self.cfg.beta * (chosen - rejected)
-        pref = -torch.nn.functional.logsigmoid(margin)
+        if self.cfg.loss_type == "ipo":
+            lengths = mask.sum(-1).clamp(min=1)
+            delta = chosen / lengths[0::2] - rejected / lengths[1::2]
+            pref = (delta - 1 / (2 * self.cfg.beta)) ** 2
+        else:
+            pref = -torch.nn.functional.logsigmoid(margin)
         # a pair counts as 2 sequences in global_valid_seqs, hence the factor 2
         scale = 2 * pair_mask / global_valid_seqs
         pref_loss = (pref * scale).sum()

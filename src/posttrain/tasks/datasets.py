@@ -231,7 +231,7 @@ def rows_to_prompts(rows: Sequence[Any], cfg: DatasetConfig, source: str) -> lis
     return out
 
 
-def _uses_chat_template(tokenizer: Any, fmt: PromptFormatConfig) -> bool:
+def uses_chat_template(tokenizer: Any, fmt: PromptFormatConfig) -> bool:
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if fmt.chat_template == "always" and not has_template:
         raise ValueError(
@@ -303,7 +303,7 @@ def build_prompt_dataset(
     name: str = "train",
 ) -> PromptDataset:
     """Format, tokenize and length-filter `sources` into a PromptDataset."""
-    use_chat = _uses_chat_template(tokenizer, fmt)
+    use_chat = uses_chat_template(tokenizer, fmt)
     texts = [format_prompt(s.text, tokenizer, fmt, use_chat) for s in sources]
     token_ids = tokenize_prompts(texts, tokenizer, fmt, use_chat)
     items = [

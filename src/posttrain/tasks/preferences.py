@@ -1,0 +1,119 @@
+"""Preference pairs for DPO: a prompt with a chosen and a rejected completion, as token ids.
+
+Sources: a local file or saved dataset (`.jsonl`, `.json`, `.parquet`, a `datasets.save_to_disk`
+directory; tasks/datasets.py `load_rows`) with a prompt, a chosen and a rejected text per row, or the
+built-in arithmetic pairs (the correct answer against a wrong one), which need no file. Prompts are
+formatted like every task's (chat template when the tokenizer has one); completions are the texts as
+written plus EOS. Every row is checked up front: a bad row is a ValueError naming its index and field.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from posttrain.config import Config
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig, build_arithmetic_task
+from posttrain.tasks.datasets import (
+    PromptFormatConfig,
+    format_prompt,
+    load_rows,
+    tokenize_prompts,
+    uses_chat_template,
+)
+
+
+@dataclass
+class PreferencePair:
+    prompt_token_ids: list[int]
+    chosen_token_ids: list[int]  # ends with EOS
+    rejected_token_ids: list[int]  # ends with EOS
+
+
+class PreferenceDataConfig(Config):
+    """Where the pairs come from."""
+
+    path: str | None = Field(
+        None, description="pairs file or saved dataset (.jsonl/.json/.parquet/dir); None: built-in arithmetic"
+    )
+    eval_path: str | None = Field(None, description="held-out pairs (default: eval_fraction of `path`)")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of `path` held out when no eval_path")
+    split: str | None = Field(None, description="split of a saved DatasetDict")
+    prompt_key: str = Field("prompt", description="column of the prompt text")
+    chosen_key: str = Field("chosen", description="column of the preferred completion")
+    rejected_key: str = Field("rejected", description="column of the dispreferred completion")
+    prompt_format: PromptFormatConfig = Field(default_factory=PromptFormatConfig)
+    arithmetic: ArithmeticTaskConfig = Field(
+        default_factory=lambda: ArithmeticTaskConfig(operations=["+"], max_operand=19),
+        description="the built-in pairs (path: None): a problem's correct answer is chosen, a wrong one rejected",
+    )
+    seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
+
+
+def _text(row: Any, index: int, key: str, source: str) -> str:
+    if not isinstance(row, dict) or key not in row:
+        raise ValueError(f"{source}: row {index} has no '{key}' field; set data.{key.split('_')[0]}_key")
+    value = row[key]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{source}: row {index} field '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _pairs_from_rows(rows: list[Any], cfg: PreferenceDataConfig, tokenizer: Any, source: str):
+    prompts, chosen, rejected = [], [], []
+    for i, row in enumerate(rows):
+        prompts.append(_text(row, i, cfg.prompt_key, source))
+        chosen.append(_text(row, i, cfg.chosen_key, source))
+        rejected.append(_text(row, i, cfg.rejected_key, source))
+    use_chat = uses_chat_template(tokenizer, cfg.prompt_format)
+    texts = [format_prompt(p, tokenizer, cfg.prompt_format, use_chat) for p in prompts]
+    return _tokenized(
+        tokenize_prompts(texts, tokenizer, cfg.prompt_format, use_chat), chosen, rejected, tokenizer
+    )
+
+
+def _tokenized(prompt_ids: list[list[int]], chosen: list[str], rejected: list[str], tokenizer: Any):
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("DPO needs a tokenizer with an EOS token (completions end with EOS)")
+    enc = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # noqa: E731
+    return [
+        PreferencePair(list(p), [*c, eos], [*r, eos])
+        for p, c, r in zip(prompt_ids, enc(chosen), enc(rejected))
+    ]
+
+
+def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
+    """(train, eval) pairs of the arithmetic task: the correct answer against a wrong one, off by 1-5."""
+    task = build_arithmetic_task(cfg.arithmetic, tokenizer)
+    rng = random.Random(cfg.seed)
+
+    def pairs(items) -> list[PreferencePair]:
+        answers = [int(it.metadata["answer"]) for it in items]
+        wrong = [a + rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5]) for a in answers]
+        return _tokenized(
+            [it.prompt_token_ids for it in items], list(map(str, answers)), list(map(str, wrong)), tokenizer
+        )
+
+    return pairs(task.train.items), pairs(task.eval.items if task.eval is not None else [])
+
+
+def build_pairs(
+    cfg: PreferenceDataConfig, tokenizer: Any
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(train, held-out) pairs."""
+    if cfg.path is None:
+        return arithmetic_pairs(cfg, tokenizer)
+    train = _pairs_from_rows(load_rows(cfg.path, cfg.split), cfg, tokenizer, cfg.path)
+    if not train:
+        raise ValueError(f"{cfg.path} holds no preference pairs")
+    if cfg.eval_path is not None:
+        return train, _pairs_from_rows(load_rows(cfg.eval_path, cfg.split), cfg, tokenizer, cfg.eval_path)
+    order = list(range(len(train)))
+    random.Random(cfg.seed).shuffle(order)
+    n_eval = int(len(train) * cfg.eval_fraction)
+    held = set(order[:n_eval])
+    return [p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held]
