@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-ENGINE_WINDOWS = "sliding-window attention: generation in the engine is being added (branch i25-engine)"
+ENGINE_WINDOWS = "sliding-window attention (the engine keeps windowed layers' KV to the window)"
 
 
 @dataclass(frozen=True)
