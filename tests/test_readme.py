@@ -38,6 +38,7 @@ SHORT = {  # command prefix -> overrides appended: as written these take minutes
         "grpo.max_num_steps=1",
         "grpo.num_prompts_per_step=2",
         "policy.train_global_batch_size=16",
+        "env.limits.max_tokens=512",  # the stand-in chat model has 512 positions
     ],
 }
 PLACEHOLDERS = {"/path/to/chat_model": "runs/demo_calculator/sft/hf"}
