@@ -74,3 +74,28 @@ def test_a_bad_row_is_named(tmp_path):
 def test_settings_that_would_split_a_pair_are_refused(over, message):
     with pytest.raises(ConfigError, match=message):
         build_config(DPORunConfig, over)
+
+
+@pytest.mark.slow
+def test_the_dpo_config_reaches_90_percent_held_out_from_the_demo_warm_start(tmp_path):
+    """configs/dpo_arithmetic.yaml from the demo's SFT stage: the held-out pairs' implicit-reward accuracy
+    and the policy's own preference (summed logprob of chosen > rejected) both reach >= 90% (about 97%
+    over 3 seeds; the warm start prefers the right answer on about 79%)."""
+    from pathlib import Path
+
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.sft import run_sft
+    from posttrain.config import load_config
+
+    sft = DemoConfig().sft.model_copy(update={"output_dir": str(tmp_path / "sft")})
+    run_sft(sft)
+    overrides = [
+        f"policy.model.name={tmp_path / 'sft' / 'hf'}",
+        f"output_dir={tmp_path / 'dpo'}",
+        "save_final_model=false",
+        "logging.progress_bar=false",
+    ]
+    config = Path(__file__).parents[1] / "configs" / "dpo_arithmetic.yaml"
+    last = run_dpo(load_config(DPORunConfig, config, overrides))
+    assert last["val_accuracy"] >= 0.9 and last["val_policy_accuracy"] >= 0.9
+    assert last["val_policy_accuracy"] > last["val_policy_accuracy_at_start"] + 0.05

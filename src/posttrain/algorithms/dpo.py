@@ -143,12 +143,14 @@ def evaluate(policy: Policy, loss: DPOLoss, pairs, refs, pad_id: int) -> dict[st
     """Held-out loss, preference accuracy and reward margin over all `pairs` (one eval-mode pass)."""
     batch = training_batch(pairs, refs, pad_id, policy.cfg.train_global_batch_size)
     m = policy.train(batch, loss, eval_mode=True)
-    return {"loss": m["loss"], "accuracy": m["accuracy"], "reward_margin": m["reward_margin"]}
+    keys = ("loss", "accuracy", "policy_accuracy", "reward_margin")
+    return {k: m[k] for k in keys}
 
 
 def run_dpo(cfg: DPORunConfig, policy: Policy | None = None) -> dict[str, float]:
-    """Train; returns the last step's metrics plus the held-out ones (`val_accuracy`, `val_loss`, and
-    `val_accuracy_at_start`). Ctrl-C stops after the current step (`RunInterrupted`; nothing is saved)."""
+    """Train; returns the last step's metrics plus the held-out ones: `val_accuracy` (implicit reward
+    margin > 0), `val_policy_accuracy` (the policy's own logprob prefers the chosen completion; also
+    `val_policy_accuracy_at_start`), `val_loss`. Ctrl-C stops after the current step (`RunInterrupted`; nothing is saved)."""
     from pathlib import Path
 
     out = Path(cfg.output_dir)
@@ -186,7 +188,7 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
     if heldout:
         start = evaluate(policy, loss, heldout, held_refs, pad_id)
         metrics_log.log(start, 0, prefix="val")
-        last["val_accuracy_at_start"] = start["accuracy"]
+        last["val_policy_accuracy_at_start"] = start["policy_accuracy"]
     batches = pair_batches(len(train), gbs // 2, cfg.seed)
     step = 0
     try:
@@ -206,6 +208,7 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
                     val = evaluate(policy, loss, heldout, held_refs, pad_id)
                     metrics_log.log(val, step, prefix="val")
                     last["val_accuracy"], last["val_loss"] = val["accuracy"], val["loss"]
+                    last["val_policy_accuracy"] = val["policy_accuracy"]
                     shown["val/accuracy"] = val["accuracy"]
                 progress.update(step, shown)
             if step < cfg.max_num_steps:

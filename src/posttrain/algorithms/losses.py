@@ -339,6 +339,7 @@ class DPOLoss:
         "preference_loss": "seqs",
         "sft_loss": "seqs",
         "accuracy": "seqs",
+        "policy_accuracy": "seqs",
         "reward_margin": "seqs",
         "num_valid_samples": "none",
     }
@@ -353,6 +354,7 @@ class DPOLoss:
         mask = token_weights(batch)
         ref = batch["reference_logprobs"].float()
         seq_logratio = ((logprobs - ref) * mask).sum(-1)
+        seq_lp = (logprobs.detach() * mask).sum(-1)
         chosen, rejected = seq_logratio[0::2], seq_logratio[1::2]
         pair_mask = batch["sample_mask"].float()[0::2]
         margin = self.cfg.beta * (chosen - rejected)
@@ -374,6 +376,8 @@ class DPOLoss:
                 "preference_loss": pref_loss.detach(),
                 "sft_loss": sft_loss.detach(),
                 "accuracy": ((margin > 0).float() * scale).sum(),
+                # the policy alone prefers the chosen completion (its summed logprob is higher)
+                "policy_accuracy": ((seq_lp[0::2] > seq_lp[1::2]).float() * scale).sum(),
                 "reward_margin": (margin * scale).sum(),
                 "num_valid_samples": batch["sample_mask"].float().sum(),
             }

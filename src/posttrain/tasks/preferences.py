@@ -47,8 +47,14 @@ class PreferenceDataConfig(Config):
     rejected_key: str = Field("rejected", description="column of the dispreferred completion")
     prompt_format: PromptFormatConfig = Field(default_factory=PromptFormatConfig)
     arithmetic: ArithmeticTaskConfig = Field(
-        default_factory=lambda: ArithmeticTaskConfig(operations=["+"], max_operand=19),
+        default_factory=ArithmeticTaskConfig,
         description="the built-in pairs (path: None): a problem's correct answer is chosen, a wrong one rejected",
+    )
+    wrong_per_problem: int = Field(
+        1,
+        ge=1,
+        le=10,
+        description="built-in pairs: pairs per problem (train and held out), each with another wrong answer",
     )
     seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
 
@@ -91,14 +97,20 @@ def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
     task = build_arithmetic_task(cfg.arithmetic, tokenizer)
     rng = random.Random(cfg.seed)
 
-    def pairs(items) -> list[PreferencePair]:
+    def pairs(items, k: int = 1) -> list[PreferencePair]:
+        items = [it for it in items for _ in range(k)]
         answers = [int(it.metadata["answer"]) for it in items]
-        wrong = [a + rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5]) for a in answers]
+        wrong = []
+        for i, a in enumerate(answers):  # k different wrong answers per problem
+            if i % k == 0:
+                offsets = rng.sample([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5], k)
+            wrong.append(a + offsets[i % k])
         return _tokenized(
             [it.prompt_token_ids for it in items], list(map(str, answers)), list(map(str, wrong)), tokenizer
         )
 
-    return pairs(task.train.items), pairs(task.eval.items if task.eval is not None else [])
+    held = task.eval.items if task.eval is not None else []
+    return pairs(task.train.items, cfg.wrong_per_problem), pairs(held, cfg.wrong_per_problem)
 
 
 def build_pairs(
