@@ -196,3 +196,14 @@ def test_distill_command_runs_the_example_config(tmp_path):
     )
     assert code == 0
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_resume_refuses_another_distill_section(tmp_path):
+    """The distill section shapes the run: a resume with another kl_coef is refused, naming the key."""
+    cfg = distill_cfg(
+        tmp_path, "checkpointing.enabled=true", "checkpointing.resume=auto", "checkpointing.save_period=1"
+    )
+    run_distill(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"max_num_steps": 1})}))
+    other = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"kl_coef": 0.3})})
+    with pytest.raises(ValueError, match="distill.kl_coef"):
+        run_distill(other)

@@ -448,8 +448,11 @@ def validate(run: Run) -> dict[str, float]:
 
 
 def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
+    """The settings a resumed run must share: RESUME_KEYS, plus any section a subclass of the config adds
+    (distill.py's teacher), plus the policy's optimizer view."""
     dumped = cfg.model_dump(mode="json")
-    return {k: dumped[k] for k in RESUME_KEYS} | {"policy": optimizer_view(cfg.policy)}
+    added = [k for k in type(cfg).model_fields if k not in GRPOConfig.model_fields]
+    return {k: dumped[k] for k in (*RESUME_KEYS, *added)} | {"policy": optimizer_view(cfg.policy)}
 
 
 def loop_state(run: Run) -> dict[str, Any]:
