@@ -9,6 +9,7 @@ import yaml
 
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
 from posttrain.algorithms.demo import DemoConfig, run_demo
+from posttrain.algorithms.distill import DistillConfig
 from posttrain.algorithms.dpo import DPORunConfig
 from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.sft import SFTConfig
@@ -43,6 +44,8 @@ def test_example_config_validates(path):
         if path.name.startswith("grpo_async")
         else DPORunConfig
         if path.name.startswith("dpo")
+        else DistillConfig
+        if path.name.startswith("distill")
         else GRPOConfig
     )
     cfg = load_config(cls, path)

@@ -25,7 +25,7 @@ console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
-CONFIG_COMMANDS = ("demo", "sft", "dpo", "grpo", "grpo-async")  # the commands `config show` knows
+CONFIG_COMMANDS = ("demo", "sft", "dpo", "grpo", "grpo-async", "distill")  # the commands `config show` knows
 
 
 def config_class(command: str) -> type[Config]:
@@ -33,6 +33,7 @@ def config_class(command: str) -> type[Config]:
     use: the training stack is slow to import)."""
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.distill import DistillConfig
     from posttrain.algorithms.dpo import DPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
     from posttrain.algorithms.sft import SFTConfig
@@ -43,6 +44,7 @@ def config_class(command: str) -> type[Config]:
         "dpo": DPORunConfig,
         "grpo": GRPOConfig,
         "grpo-async": AsyncGRPORunConfig,
+        "distill": DistillConfig,
     }
     return classes[command]
 
@@ -85,6 +87,19 @@ def _grpo(args: argparse.Namespace) -> int:
     result = run_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
     console.print(f"[bold green]GRPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.distill import run_distill
+
+    cfg = load_config(config_class("distill"), args.config, args.overrides + _overwrite(args))
+    check_output_dir(cfg.output_dir)
+    result = run_distill(cfg)
+    names = {"distill/reverse_kl": "reverse KL per token", "val/accuracy": "held-out accuracy"}
+    console.print(
+        f"[bold green]distillation done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}"
+    )
     return 0
 
 
@@ -235,11 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         ("sft", _sft, "supervised fine-tuning (warm start)"),
         ("dpo", _dpo, "direct preference optimization on (prompt, chosen, rejected) pairs (DPO, IPO, RPO)"),
+        (
+            "distill",
+            _distill,
+            "on-policy distillation: the student samples, a teacher's per-token reverse KL trains it",
+        ),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
-        if name.startswith("grpo"):
+        if name.startswith("grpo") or name == "distill":
             p.add_argument(
                 "--overwrite",
                 action="store_true",

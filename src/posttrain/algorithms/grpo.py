@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,13 @@ class Run:
 # --------------------------------------------------------------------------- the loop
 
 
-def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
+def run_grpo(
+    cfg: GRPOConfig, policy: Policy | None = None, step_fn: Callable[[Run], dict[str, float]] | None = None
+) -> dict[str, float]:
     """Train with GRPO; returns the final metrics (including the last validation). Ctrl-C stops after
-    the current step, with a checkpoint there, by raising `RunInterrupted`."""
+    the current step, with a checkpoint there, by raising `RunInterrupted`. `step_fn` replaces
+    `grpo_step` (distill.py runs its steps in this loop)."""
+    step_fn = step_fn or grpo_step
     ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
     check_fresh_start(cfg.output_dir, ckpt)
     run = setup(cfg, policy)
@@ -166,7 +171,7 @@ def run_grpo(cfg: GRPOConfig, policy: Policy | None = None) -> dict[str, float]:
                 metrics_log.log(last, 0)
             while keeps_going(run) and not stop.requested:
                 run.step += 1
-                metrics = grpo_step(run)
+                metrics = step_fn(run)
                 if cfg.grpo.val_period and run.step % cfg.grpo.val_period == 0 and run.task.eval is not None:
                     metrics.update(validate(run))
                 metrics_log.log(metrics, run.step)
@@ -198,15 +203,16 @@ def stop_here(run: Run, ckpt: CheckpointManager, saved: int, metrics: dict[str, 
     return interrupted("grpo", run.step, run.cfg.grpo.max_num_steps, run.cfg.checkpointing, path)
 
 
-def grpo_step(run: Run) -> dict[str, float]:
-    """One step: generate -> score -> advantages -> logprobs -> train -> sync."""
+def grpo_step(run: Run, logprobs_fn: Callable[[Run, Any], None] | None = None) -> dict[str, float]:
+    """One step: generate -> score -> advantages -> logprobs -> train -> sync. `logprobs_fn` replaces
+    `add_logprobs` (distill.py adds the teacher's logprobs and its advantages there)."""
     t0 = time.perf_counter()
     run.timings = {}
     with run.timed("generation"):
         rollouts = generate(run)
     batch, adv_metrics = build_batch(run, rollouts)
     with run.timed("logprobs"):
-        add_logprobs(run, batch)
+        (logprobs_fn or add_logprobs)(run, batch)
     with run.timed("training"):
         run.policy.prepare_for_training()
         train_metrics = run.policy.train(batch, run.loss_fn)
@@ -442,8 +448,11 @@ def validate(run: Run) -> dict[str, float]:
 
 
 def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
+    """The settings a resumed run must share: RESUME_KEYS, plus any section a subclass of the config adds
+    (distill.py's teacher), plus the policy's optimizer view."""
     dumped = cfg.model_dump(mode="json")
-    return {k: dumped[k] for k in RESUME_KEYS} | {"policy": optimizer_view(cfg.policy)}
+    added = [k for k in type(cfg).model_fields if k not in GRPOConfig.model_fields]
+    return {k: dumped[k] for k in (*RESUME_KEYS, *added)} | {"policy": optimizer_view(cfg.policy)}
 
 
 def loop_state(run: Run) -> dict[str, Any]:
