@@ -10,6 +10,7 @@ import yaml
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
 from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.algorithms.grpo import GRPOConfig
+from posttrain.algorithms.rm import RMRunConfig
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import load_config
 
@@ -38,6 +39,8 @@ def test_example_config_validates(path):
         if path.name.startswith("sft")
         else DemoConfig
         if path.name.startswith("demo")
+        else RMRunConfig
+        if path.name.startswith("rm")
         else AsyncGRPORunConfig
         if path.name.startswith("grpo_async")
         else GRPOConfig

@@ -1,4 +1,4 @@
-"""Command line: posttrain demo | grpo | grpo-async | sft | export | generate | config show.
+"""Command line: posttrain demo | grpo | grpo-async | sft | dpo | rm | export | generate | config show.
 
 Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`);
 `posttrain config show COMMAND [PREFIX]` lists the keys they accept. A user's
@@ -25,7 +25,7 @@ console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
-CONFIG_COMMANDS = ("demo", "sft", "dpo", "grpo", "grpo-async")  # the commands `config show` knows
+CONFIG_COMMANDS = ("demo", "sft", "dpo", "rm", "grpo", "grpo-async")  # the commands `config show` knows
 
 
 def config_class(command: str) -> type[Config]:
@@ -35,12 +35,14 @@ def config_class(command: str) -> type[Config]:
     from posttrain.algorithms.demo import DemoConfig
     from posttrain.algorithms.dpo import DPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.rm import RMRunConfig
     from posttrain.algorithms.sft import SFTConfig
 
     classes = {
         "demo": DemoConfig,
         "sft": SFTConfig,
         "dpo": DPORunConfig,
+        "rm": RMRunConfig,
         "grpo": GRPOConfig,
         "grpo-async": AsyncGRPORunConfig,
     }
@@ -74,6 +76,17 @@ def _dpo(args: argparse.Namespace) -> int:
     result = run_dpo(cfg)
     shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out preference accuracy"})
     console.print(f"[bold green]DPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.rm import run_rm
+
+    cfg = load_config(config_class("rm"), args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
+    result = run_rm(cfg)
+    shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out pair accuracy"})
+    console.print(f"[bold green]reward model done[/]: {shown}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -235,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         ("sft", _sft, "supervised fine-tuning (warm start)"),
         ("dpo", _dpo, "direct preference optimization on (prompt, chosen, rejected) pairs (DPO, IPO, RPO)"),
+        ("rm", _rm, "train a reward model (Bradley-Terry) on (prompt, chosen, rejected) pairs"),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")

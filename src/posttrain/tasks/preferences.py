@@ -50,6 +50,12 @@ class PreferenceDataConfig(Config):
         default_factory=lambda: ArithmeticTaskConfig(operations=["+"], max_operand=19),
         description="the built-in pairs (path: None): a problem's correct answer is chosen, a wrong one rejected",
     )
+    arithmetic_wrong_answers: int = Field(
+        1,
+        ge=1,
+        description="built-in pairs: wrong answers drawn per problem, one pair each (a reward model learns "
+        "what is right from more of what is wrong)",
+    )
     seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
 
 
@@ -87,11 +93,13 @@ def _tokenized(prompt_ids: list[list[int]], chosen: list[str], rejected: list[st
 
 
 def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
-    """(train, eval) pairs of the arithmetic task: the correct answer against a wrong one, off by 1-5."""
+    """(train, eval) pairs of the arithmetic task: the correct answer against a wrong one, off by 1-5
+    (`arithmetic_wrong_answers` of them per problem)."""
     task = build_arithmetic_task(cfg.arithmetic, tokenizer)
     rng = random.Random(cfg.seed)
 
     def pairs(items) -> list[PreferencePair]:
+        items = [it for it in items for _ in range(cfg.arithmetic_wrong_answers)]
         answers = [int(it.metadata["answer"]) for it in items]
         wrong = [a + rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5]) for a in answers]
         return _tokenized(
