@@ -4,7 +4,7 @@ The model is transformers' `AutoModelForSequenceClassification` with `num_labels
 Linear hidden -> 1) reads the decoder's last hidden states. It loads from a sequence-classification
 checkpoint, or from a causal LM (an SFT run's hf/ directory) whose lm_head is dropped and whose score head
 starts new (seeded). HF's forward pools the head's output at the last token that is not the pad id; we
-read the head's per-token output instead (a forward hook on `score`) and take a row's score at
+read the head's per-token output instead (forward hooks put it in the model's output) and take a row's score at
 `input_lengths - 1`, so padding and packing follow our batch's conventions (a pad id inside a sequence
 moves nothing) and the same forward gives a PPO critic its value per token.
 
@@ -99,18 +99,27 @@ def load_score_model(name: str, pad_id: int, seed: int = 0):
 
 
 @contextlib.contextmanager
-def _head_outputs(model):
-    """Collect what the model's `score` head returns during the block (this rank's full tensor)."""
+def _per_token_logits(model):
+    """During the block, the model's output `logits` are its score head's per-token output [b, t, 1]
+    (this rank's full tensor), not HF's pooled ones. The swap happens in a forward hook on the model that
+    runs before FSDP2's: FSDP2 unshards a module's parameters for backward from hooks on that module's
+    outputs, so the tensor the loss reads must be one of them (a tensor taken from inside the forward
+    reached the score head's parameters after they were resharded)."""
     got: list[torch.Tensor] = []
 
     def keep(module, inputs, output):
         got.append(output.full_tensor() if isinstance(output, DTensor) else output)
 
-    handle = model.score.register_forward_hook(keep)
+    def swap(module, inputs, output):
+        output.logits = got.pop()
+        return output
+
+    handles = [model.score.register_forward_hook(keep), model.register_forward_hook(swap, prepend=True)]
     try:
-        yield got
+        yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def microbatch_values(model, mb: MicroBatch, split: SequenceSplit | None = None) -> torch.Tensor:
@@ -119,13 +128,12 @@ def microbatch_values(model, mb: MicroBatch, split: SequenceSplit | None = None)
     and the head reads the whole row (parallel/tensor_parallel.py)."""
     ids = mb.data["input_ids"]
     t = ids.shape[1]
-    with _head_outputs(model) as got:
+    with _per_token_logits(model):
         if split is not None and split.active:
             assert split.cp_mesh is None, "context parallelism is refused for scalar heads (policy/config.py)"
-            _split_call(model, mb, split)
+            values = _split_call(model, mb, split)[0][..., 0]  # [b or 1, L]
         else:
-            model_logits(model, mb)
-    values = got[-1][..., 0]  # [b or 1, L]
+            values = model_logits(model, mb)[..., 0]
     values = _unpack(mb, values[0], t) if mb.packed is not None else values[:, :t]
     valid = torch.arange(t, device=ids.device)[None, :] < mb.data["input_lengths"][:, None]
     return values * valid
