@@ -147,6 +147,15 @@ def test_verbs_and_losses_of_the_other_head_are_refused():
         lm.train(batch, BradleyTerryLoss())
 
 
+def test_lora_trains_the_adapters_and_the_score_head():
+    worker = scorer(optimizer=SGD, lora={"rank": 4, "alpha": 8}, train_global_batch_size=8)
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    worker.train(random_batch(8, 16), BradleyTerryLoss())
+    moved = {n for n, p in worker.model.named_parameters() if not torch.equal(p, before[n])}
+    assert "score.weight" in moved and all(".lora_" in n for n in moved - {"score.weight"})
+    assert any(".lora_B." in n for n in moved)  # B starts at zero: only it moves in the first step
+
+
 def test_a_layout_scalar_heads_lack_is_refused():
     with pytest.raises(ValueError, match="context parallelism is not implemented for scalar heads"):
         policy_cfg(

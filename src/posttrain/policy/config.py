@@ -160,11 +160,6 @@ class PolicyConfig(Config):
                 "policy.model.head=score with context_parallel_size > 1: context parallelism is not "
                 "implemented for scalar heads yet; use parallel.context_parallel_size=1"
             )
-        if self.lora is not None:
-            raise ValueError(
-                "policy.model.head=score with policy.lora: LoRA would freeze the new score head; train the "
-                "full model (unset policy.lora)"
-            )
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

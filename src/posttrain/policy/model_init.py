@@ -104,7 +104,14 @@ def build_policy_model(
 
 
 def _with_lora(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
-    return add_lora(model, cfg.lora) if cfg.lora is not None else model
+    """`cfg.lora`'s adapters; a score head (often new) trains in full next to them, never adapted."""
+    if cfg.lora is None:
+        return model
+    if cfg.model.head == "lm":
+        return add_lora(model, cfg.lora)
+    add_lora(model, cfg.lora, exclude=("score",))
+    model.score.weight.requires_grad_(True)
+    return model
 
 
 def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:
