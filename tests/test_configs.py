@@ -12,6 +12,7 @@ from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.algorithms.distill import DistillConfig
 from posttrain.algorithms.dpo import DPORunConfig
 from posttrain.algorithms.grpo import GRPOConfig
+from posttrain.algorithms.rm import RMRunConfig
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import load_config
 
@@ -40,6 +41,8 @@ def test_example_config_validates(path):
         if path.name.startswith("sft")
         else DemoConfig
         if path.name.startswith("demo")
+        else RMRunConfig
+        if path.name.startswith("rm")
         else AsyncGRPORunConfig
         if path.name.startswith("grpo_async")
         else DPORunConfig

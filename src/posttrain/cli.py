@@ -1,4 +1,4 @@
-"""Command line: posttrain demo | grpo | grpo-async | sft | export | generate | config show.
+"""Command line: posttrain demo | grpo | grpo-async | sft | dpo | rm | export | generate | config show.
 
 Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`);
 `posttrain config show COMMAND [PREFIX]` lists the keys they accept. A user's
@@ -25,7 +25,7 @@ console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
-CONFIG_COMMANDS = ("demo", "sft", "dpo", "grpo", "grpo-async", "distill")  # the commands `config show` knows
+CONFIG_COMMANDS = ("demo", "sft", "dpo", "rm", "grpo", "grpo-async", "distill")  # what `config show` knows
 
 
 def config_class(command: str) -> type[Config]:
@@ -36,12 +36,14 @@ def config_class(command: str) -> type[Config]:
     from posttrain.algorithms.distill import DistillConfig
     from posttrain.algorithms.dpo import DPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.rm import RMRunConfig
     from posttrain.algorithms.sft import SFTConfig
 
     classes = {
         "demo": DemoConfig,
         "sft": SFTConfig,
         "dpo": DPORunConfig,
+        "rm": RMRunConfig,
         "grpo": GRPOConfig,
         "grpo-async": AsyncGRPORunConfig,
         "distill": DistillConfig,
@@ -76,6 +78,17 @@ def _dpo(args: argparse.Namespace) -> int:
     result = run_dpo(cfg)
     shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out preference accuracy"})
     console.print(f"[bold green]DPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.rm import run_rm
+
+    cfg = load_config(config_class("rm"), args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
+    result = run_rm(cfg)
+    shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out pair accuracy"})
+    console.print(f"[bold green]reward model done[/]: {shown}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -255,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
             _distill,
             "on-policy distillation: the student samples, a teacher's per-token reverse KL trains it",
         ),
+        ("rm", _rm, "train a reward model (Bradley-Terry) on (prompt, chosen, rejected) pairs"),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")

@@ -46,6 +46,7 @@ from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.groups import check_context, engine_config, probe_sync, step_seed
+from posttrain.rollout.reward_model import RewardModel, RewardModelConfig, mean_reward_parts
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.tasks.datasets import PromptItem
@@ -66,12 +67,21 @@ class GRPOConfig(GRPORunSections):
     output_dir: str = Field(
         "runs/grpo", description="metrics.jsonl, curves.png, config.yaml and checkpoints/ go here"
     )
+    reward_model: RewardModelConfig | None = Field(
+        None,
+        description="score completions with a reward model (`posttrain rm`'s hf/ directory), alone or "
+        "summed with the task's reward (reward_model.weight, reward_model.task_weight)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
         problem = batch_size_problem(self)
         if problem:
             raise ValueError(problem)
+        if self.reward_model is not None and self.env is not None:
+            raise ValueError(
+                "reward_model with env: a reward model scores single-turn completions of a task; unset env"
+            )
         return self
 
 
@@ -96,7 +106,7 @@ def batch_size_problem(cfg: GRPOConfig) -> str | None:
 
 
 # Loop settings a resumed run must share with the checkpoint (they shape the trajectory).
-RESUME_KEYS = ("grpo", "sampling", "task", "env", "loss")
+RESUME_KEYS = ("grpo", "sampling", "task", "env", "loss", "reward_model")
 # ... except these, which a resumed run may change (each change is logged).
 RESUME_MAY_CHANGE = (
     "grpo.max_num_steps",
@@ -133,6 +143,7 @@ class Run:
     loss_fn: ClippedPGLoss
     weight_sync: WeightSync
     share_weights: bool = False  # the engine aliases the trainer's tensors (see sync_weights)
+    reward_model: RewardModel | None = None  # scores completions with (or instead of) the task's reward
     step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -185,6 +196,8 @@ def run_grpo(
     finally:
         progress.close()
         metrics_log.close()
+        if run.reward_model is not None:
+            run.reward_model.shutdown()
     plot_metrics(metrics_log.path, run.out / "curves.png", episodes.CURVES)
     return last
 
@@ -246,6 +259,8 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
     loss_cfg = with_completion_length(cfg.loss, cfg.sampling.max_new_tokens)
     run = Run(cfg, parts.out, policy, engine, task, tokenizer, ClippedPGLoss(loss_cfg), sync)
+    if cfg.reward_model is not None:
+        run.reward_model = RewardModel(cfg.reward_model, tokenizer)
     if skips_prev_logprobs(cfg):
         run.loss_fn = ClippedPGLoss(loss_cfg.model_copy(update={"force_on_policy_ratio": True}))
     run.share_weights = (
@@ -270,7 +285,9 @@ def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[Generati
 def score(run: Run, items: list[PromptItem], results: list[GenerationResult]):
     """Rewards and failure flags (failed rewards are marked, never zeroed), with overlong shaping."""
     max_new = run.cfg.sampling.max_new_tokens
-    return rollout_groups.score(run.task, run.tokenizer, items, results, run.cfg.grpo, max_new)
+    return rollout_groups.score(
+        run.task, run.tokenizer, items, results, run.cfg.grpo, max_new, run.reward_model
+    )
 
 
 def play(run: Run, items: list[PromptItem], salt: int) -> tuple[list[Trajectory], Any, Any, dict]:
@@ -339,6 +356,7 @@ def generate(run: Run) -> Rollouts:
         "timing/reward_s": t_reward,
     }
     metrics.update(episodes.mean_episode_metrics(summaries))  # environments: the draws' mean
+    metrics.update(mean_reward_parts(summaries))  # a reward model's and the task's parts
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 

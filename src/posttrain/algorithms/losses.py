@@ -1,4 +1,4 @@
-"""Loss functions: clipped policy gradient (GRPO/PPO family), NLL (SFT) and DPO.
+"""Loss functions: clipped policy gradient (GRPO/PPO family), NLL (SFT), DPO and Bradley-Terry (reward models).
 
 Contract (DESIGN.md, "normalization contract"): a loss is called per micro-batch with the per-token
 logprobs of the current policy, the micro-batch, and the global valid sequence and token counts of
@@ -9,6 +9,9 @@ normalized the same way by the kind it declares in `metric_kinds`:
 - ``toks``: sum / global_valid_toks        - ``seqs``: sum / global_valid_seqs
 - ``loss_type``: by the loss's own type   - ``none``: raw sum (counts)
 - ``min`` / ``max``: min / max over valid tokens (+inf / -inf when there are none)
+
+A loss reads logprobs of a causal LM, or, when it declares `head = "score"`, the per-token values of a
+scalar-head model in their place (models/scalar_head.py; the trainer refuses a mismatch).
 
 Departures from the textbook: the sequence-level loss averages each sequence over its own tokens
 first; importance-sampling weights (generation vs trainer logprobs) multiply the KL term too.
@@ -24,8 +27,11 @@ from tensordict import TensorDict
 
 from posttrain.config import Config
 from posttrain.data.normalization import LossFn, LossType, MetricKind
+from posttrain.models.scalar_head import last_token_values
 
 __all__ = [
+    "BradleyTerryConfig",
+    "BradleyTerryLoss",
     "ClippedPGConfig",
     "ClippedPGLoss",
     "DPOConfig",
@@ -379,6 +385,68 @@ class DPOLoss:
                 # the policy alone prefers the chosen completion (its summed logprob is higher)
                 "policy_accuracy": ((seq_lp[0::2] > seq_lp[1::2]).float() * scale).sum(),
                 "reward_margin": (margin * scale).sum(),
+                "num_valid_samples": batch["sample_mask"].float().sum(),
+            }
+        return loss, metrics
+
+
+class BradleyTerryConfig(Config):
+    """Reward-model loss options."""
+
+    center_rewards_coefficient: float = Field(
+        0.0,
+        ge=0,
+        description="weight of mean((r_chosen + r_rejected)^2), which keeps rewards near 0 (as TRL's "
+        "RewardTrainer; 0 = off): rewards summed with a rule reward then keep their scale",
+    )
+
+
+class BradleyTerryLoss:
+    """-log sigmoid(r_chosen - r_rejected) over rows laid out as (chosen, rejected) pairs (rows 2i and
+    2i+1 of every micro-batch), where a row's reward is the scalar head's value at its last real token.
+
+    Reads a score head's per-token values (`head = "score"`). Sequence-level: each pair's loss is divided
+    by the global number of pairs (global_valid_seqs / 2), so pairs must be kept whole by the
+    micro-batching (even sizes), as for DPO.
+    """
+
+    head = "score"
+    required_keys: tuple[str, ...] = ()
+    loss_type = LossType.SEQUENCE_LEVEL
+    metric_kinds: dict[str, MetricKind] = {
+        "loss": "loss_type",
+        "accuracy": "seqs",
+        "reward_margin": "seqs",
+        "reward_chosen": "seqs",
+        "reward_rejected": "seqs",
+        "num_valid_samples": "none",
+    }
+
+    def __init__(self, cfg: BradleyTerryConfig | None = None, **kwargs) -> None:
+        self.cfg = cfg or BradleyTerryConfig(**kwargs)
+
+    def __call__(self, values, batch, global_valid_seqs, global_valid_toks):
+        b = values.shape[0]
+        if b % 2:
+            raise ValueError(
+                f"a reward model trains on (chosen, rejected) row pairs; got a micro-batch of {b} rows"
+            )
+        rewards = last_token_values(values.float(), batch["input_lengths"])
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        margin = chosen - rejected
+        # a pair counts as 2 sequences in global_valid_seqs, hence the factor 2
+        scale = 2 * batch["sample_mask"].float()[0::2] / global_valid_seqs
+        per_pair = -torch.nn.functional.logsigmoid(margin)
+        if self.cfg.center_rewards_coefficient > 0:
+            per_pair = per_pair + self.cfg.center_rewards_coefficient * (chosen + rejected) ** 2
+        loss = (per_pair * scale).sum()
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach(),
+                "accuracy": ((margin > 0).float() * scale).sum(),
+                "reward_margin": (margin * scale).sum(),
+                "reward_chosen": (chosen * scale).sum(),
+                "reward_rejected": (rejected * scale).sum(),
                 "num_valid_samples": batch["sample_mask"].float().sum(),
             }
         return loss, metrics

@@ -23,7 +23,11 @@ class LossType(str, enum.Enum):
 
 
 class LossFn(Protocol):
-    """What the trainer calls per micro-batch: (logprobs [B,T], batch, global seqs, global toks) -> (loss, metrics)."""
+    """What the trainer calls per micro-batch: (outputs [B,T], batch, global seqs, global toks) -> (loss, metrics).
+
+    `outputs` are the model's per-token outputs: logprobs for a causal LM (`policy.model.head=lm`), or
+    the scalar head's values for `head=score` (reward models, critics). A loss for values declares
+    `head = "score"`; one without the attribute reads logprobs, and the trainer refuses a mismatch."""
 
     loss_type: LossType
     metric_kinds: dict[str, MetricKind]

@@ -77,8 +77,8 @@ def build_tiny_model(vocab_size: int, seed: int = 0, cfg: TinyModelConfig | None
 
 def tie_lm_head(model) -> None:
     """Point the lm_head at the input embedding when the config ties them (after anything replaced
-    either parameter: sharding, `to_empty`)."""
-    if getattr(model.config, "tie_word_embeddings", False):
+    either parameter: sharding, `to_empty`). A model without an lm_head (a score head) has nothing to tie."""
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.weight = model.get_input_embeddings().weight
 
 

@@ -92,16 +92,22 @@ class LoraSettings(Config):
         )
 
 
-def add_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+def add_lora(
+    model: torch.nn.Module, settings: LoraSettings, exclude: tuple[str, ...] = ()
+) -> torch.nn.Module:
     """Inject adapters into `model` in place (deterministic for `settings.seed`; on the meta device when
-    the model is there) and freeze everything else; returns the model."""
+    the model is there), never into the modules named in `exclude`, and freeze everything else; returns
+    the model."""
     import peft
 
     _check_targets(model, settings.target_modules)
+    config = settings.peft_config()
+    if exclude:
+        config.exclude_modules = list(exclude)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         try:
-            peft.inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
+            peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
         except ValueError as e:
             raise ValueError(
                 f"policy.lora.target_modules={settings.target_modules!r} does not fit this model (peft: "

@@ -19,7 +19,8 @@ row-wise (its partial output summed like the base layer's) and B replicated. The
 has the base layer's layout, so peft's `base(x) + B(A(x)) * scaling` adds matching local tensors.
 
 Departures from HF's own `base_model_tp_plan`: our plans also shard the embedding and lm_head over the
-vocabulary and know sequence parallelism. A model type without a plan here falls back to its config's
+vocabulary and know sequence parallelism; a scalar head (`score`, reward models and critics) is
+replicated. A model type without a plan here falls back to its config's
 `base_model_tp_plan` when that uses only "colwise"/"rowwise" entries; otherwise it is refused.
 """
 
@@ -178,20 +179,34 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         for layer in decoder_layers(model):
             parallelize_module(layer, tp_mesh, _with_adapters(layer, _layer_plan(sequence_parallel)))
     embed_out = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out),
-            "lm_head": ColwiseParallel(
-                input_layouts=embed_out, output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out)
+    }
+    if hasattr(model, "lm_head"):
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=embed_out, output_layouts=Shard(-1), use_local_output=False
+        )
+    parallelize_module(model, tp_mesh, plan)
     tie_lm_head(model)  # both are sharded on the vocabulary (dim 0 of the weight)
+    if hasattr(model, "score"):
+        _replicate_score_head(model.score, tp_mesh, sequence_parallel)
     _replicate_the_rest(model, tp_mesh, sequence_parallel)
     _refreeze(model, frozen)
     return model
+
+
+def _replicate_score_head(score: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """A scalar head (models/scalar_head.py: hidden -> 1, too narrow to split) is replicated over the
+    group and reads the whole sequence: under sequence parallelism its input is all-gathered first."""
+    if sequence_parallel:
+        parallelize_module(
+            score,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        )
+    parallelize_module(score, tp_mesh, Replicated())
 
 
 def _refreeze(model: torch.nn.Module, frozen: list[str]) -> None:

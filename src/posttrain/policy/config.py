@@ -24,7 +24,13 @@ class ModelConfig(Config):
         "char tokenizer with chat tokens and a chat template (multi-turn environments)",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model")
-    seed: int = Field(0, description="init seed of the tiny model")
+    seed: int = Field(0, description="init seed of the tiny model (and of a new score head)")
+    head: Literal["lm", "score"] = Field(
+        "lm",
+        description="lm: a causal LM (logprobs); score: one scalar per token from a linear head on the "
+        "decoder (AutoModelForSequenceClassification, num_labels=1): a reward model, or a critic. `name` "
+        "is then a sequence-classification model, or a causal LM whose head is replaced by a new one",
+    )
 
 
 class MicroBatchConfig(Config):
@@ -146,6 +152,15 @@ class PolicyConfig(Config):
         """Data-parallel ranks: cluster.num_workers / (tensor_parallel_size x context_parallel_size)."""
         return self.parallel.dims(self.cluster.num_workers).dp
 
+    def _check_score_head(self) -> None:
+        if self.model.head != "score":
+            return
+        if self.parallel.context_parallel_size > 1:
+            raise ValueError(
+                "policy.model.head=score with context_parallel_size > 1: context parallelism is not "
+                "implemented for scalar heads yet; use parallel.context_parallel_size=1"
+            )
+
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
         if self.cluster.backend == "local" and self.cluster.num_workers != 1:
@@ -165,6 +180,7 @@ class PolicyConfig(Config):
                 f"{self.parallel.tensor_parallel_size}: the ranks of a tensor-parallel group would drop "
                 "different inputs of one replicated adapter. Set policy.lora.dropout=0"
             )
+        self._check_score_head()
         if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
             warnings.warn(
                 "parallel.sequence_parallel=true has no effect with tensor_parallel_size=1; ignored",

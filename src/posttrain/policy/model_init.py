@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.models.families import attn_implementation, check_generation_support, check_trainable
 from posttrain.models.hf import (
@@ -18,7 +18,13 @@ from posttrain.models.hf import (
     tiny_config,
 )
 from posttrain.models.lora import LoraSettings, add_lora
-from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
+from posttrain.models.scalar_head import (
+    build_tiny_score_model,
+    check_score_source,
+    load_score_model,
+    score_model_config,
+)
+from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer, pad_token_id
 from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.mesh import local_tensor
 from posttrain.parallel.parallelize import parallelize
@@ -35,7 +41,13 @@ def build_tokenizer(cfg: ModelConfig):
 
 
 def load_full_model(cfg: ModelConfig, tokenizer):
-    """The full model on the host in fp32 (rank 0 only under FSDP)."""
+    """The full model on the host in fp32 (rank 0 only under FSDP): a causal LM, or with `head=score` a
+    scalar-head model (models/scalar_head.py)."""
+    if cfg.head == "score":
+        pad = pad_token_id(tokenizer)
+        if cfg.name == "tiny":
+            return build_tiny_score_model(len(tokenizer), pad, seed=cfg.seed, cfg=cfg.tiny)
+        return load_score_model(cfg.name, pad, seed=cfg.seed)
     if cfg.name == "tiny":
         return build_tiny_model(len(tokenizer), seed=cfg.seed, cfg=cfg.tiny)
     return load_model(cfg.name)
@@ -44,16 +56,24 @@ def load_full_model(cfg: ModelConfig, tokenizer):
 def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
     """The model an engine starts from: the policy's base model, with the policy's LoRA adapters when
     weight sync sends adapters alone (`lora.engine=adapters`; their values come with each sync)."""
+    if cfg.head != "lm":
+        raise ValueError("an engine generates with a causal LM: policy.model.head must be 'lm', not 'score'")
     check_generation_support(model_config(cfg, tokenizer))  # before weights load
     model = load_full_model(cfg, tokenizer)
     return add_lora(model, lora) if lora is not None and lora.engine == "adapters" else model
 
 
 def model_config(cfg: ModelConfig, tokenizer=None):
-    """The transformers config of the model (the tiny model's needs its tokenizer's size)."""
-    if cfg.name == "tiny":
-        return tiny_config(len(tokenizer if tokenizer is not None else build_tokenizer(cfg)), cfg.tiny)
-    return load_hf_config(cfg.name)
+    """The transformers config of the model (the tiny model's needs its tokenizer's size); with
+    `head=score`, checked as a scalar-head source and given one output."""
+    if cfg.name == "tiny" or cfg.head == "score":
+        tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
+    config = tiny_config(len(tokenizer), cfg.tiny) if cfg.name == "tiny" else load_hf_config(cfg.name)
+    if cfg.head == "lm":
+        return config
+    if cfg.name != "tiny":
+        check_score_source(config, cfg.name)
+    return score_model_config(config, pad_token_id(tokenizer))
 
 
 def build_policy_model(
@@ -72,10 +92,9 @@ def build_policy_model(
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     full = _with_lora(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
     config = full.config if full is not None else model_config(cfg.model, tokenizer)
+    auto = AutoModelForSequenceClassification if cfg.model.head == "score" else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation(config)
-        )
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation(config))
     _with_lora(model, cfg)
     parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     model.to_empty(device=dims.param_device(device))
@@ -85,7 +104,14 @@ def build_policy_model(
 
 
 def _with_lora(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
-    return add_lora(model, cfg.lora) if cfg.lora is not None else model
+    """`cfg.lora`'s adapters; a score head (often new) trains in full next to them, never adapted."""
+    if cfg.lora is None:
+        return model
+    if cfg.model.head == "lm":
+        return add_lora(model, cfg.lora)
+    add_lora(model, cfg.lora, exclude=("score",))
+    model.score.weight.requires_grad_(True)
+    return model
 
 
 def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:

@@ -177,6 +177,16 @@ class Policy:
         return self._gather("get_reference_policy_logprobs", batch)
 
     @verb(*ON_DEVICE, collective=True)
+    def get_values(self, batch: TensorDict) -> torch.Tensor:
+        """[B, T] per-token values of a scalar-head model (`model.head=score`)."""
+        return self._gather("get_values", batch)
+
+    @verb(*ON_DEVICE, collective=True)
+    def score(self, batch: TensorDict) -> torch.Tensor:
+        """[B] each row's score at its last real token (`model.head=score`: a reward model)."""
+        return self._gather("score", batch)
+
+    @verb(*ON_DEVICE, collective=True)
     def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T, k] values, [B, T, k] token ids) of the top-k logits."""
         return self._gather("get_topk_logits", batch, k)

@@ -115,6 +115,17 @@ def merge_step_metrics(results: list[dict[str, float]], kinds: dict[str, MetricK
     return out
 
 
+def check_loss_head(loss_fn: LossFn, head: str) -> None:
+    """Refuse a loss written for the other model head: a loss reads per-token logprobs (`head=lm`, the
+    default of a loss without a `head` attribute) or per-token values of a scalar head (`head=score`)."""
+    wants = getattr(loss_fn, "head", "lm")
+    if wants != head:
+        raise ValueError(
+            f"loss {type(loss_fn).__name__} reads the outputs of a model with model.head={wants}, but this "
+            f"policy's model has model.head={head}; set policy.model.head={wants} or use a {head} loss"
+        )
+
+
 def loss_normalizer(loss_type: LossType, seqs: float, toks: float) -> float:
     """The global N the gradients are divided by."""
     return toks if loss_type == LossType.TOKEN_LEVEL else seqs

@@ -1,5 +1,7 @@
 """One rank of the policy: a Hugging Face causal LM under FSDP2 (or plain, on one rank), its optimizer,
 its reference weights, and the verbs RL needs (train, split train step, logprobs, top-k, lifecycle).
+With `model.head=score` the model is a scalar-head decoder (reward model, critic): losses then receive
+its per-token values instead of logprobs, and `get_values` / `score` (policy/scalar_verbs.py) serve it.
 
 The same class serves every layout: it runs in-process (local backend) or inside a Ray actor, on a
 (dp, cp, tp) layout (`ParallelDims`, parallel/dims.py) that parallel/parallelize.py applies to the model.
@@ -34,12 +36,9 @@ from posttrain.data.normalization import LossFn, finalize_metrics
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
-from posttrain.models.logprobs import (
-    microbatch_logprobs,
-    microbatch_topk,
-    supports_shared_prefix,
-)
+from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
 from posttrain.models.lora import adapters_disabled, is_adapter_key, merged_weights, scalings
+from posttrain.models.scalar_head import model_outputs, shares_prefix
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
@@ -49,12 +48,19 @@ from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
 from posttrain.policy.optim import build_optimizer, build_scheduler, set_base_lr
-from posttrain.policy.train_step import NonFiniteLossError, OpenStep, loss_normalizer, merge_step_metrics
+from posttrain.policy.scalar_verbs import ScalarHeadVerbs
+from posttrain.policy.train_step import (
+    NonFiniteLossError,
+    OpenStep,
+    check_loss_head,
+    loss_normalizer,
+    merge_step_metrics,
+)
 
 log = get_logger(__name__)
 
 
-class PolicyWorker:
+class PolicyWorker(ScalarHeadVerbs):
     """One rank of the trainer. See the module docstring."""
 
     def __init__(
@@ -114,7 +120,7 @@ class PolicyWorker:
             share_prefix=share_prefix
             and mb.share_prefix
             and not self.split.active
-            and supports_shared_prefix(self.model),
+            and shares_prefix(self.model, self.cfg.model.head),
         )
 
     def _model_to_device(self) -> None:
@@ -219,6 +225,7 @@ class PolicyWorker:
                 "begin_train_step() called while a train step is already open; "
                 "call finish_train_step() or abort_train_step() first"
             )
+        check_loss_head(loss_fn, self.cfg.model.head)
         self.optimizer.zero_grad(set_to_none=True)
         self._step = OpenStep(loss_fn, eval_mode, self.device)
         self.lifecycle.step_open = True
@@ -245,8 +252,10 @@ class PolicyWorker:
         one = torch.ones((), device=self.device)
         grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
         with grad_ctx, self._autocast():
-            logprobs = microbatch_logprobs(self.model, mb, self.cfg.logprob_temperature, self.split)
-        loss, metrics = step.loss_fn(logprobs, mb.data, one, one)
+            outputs = model_outputs(
+                self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
+            )
+        loss, metrics = step.loss_fn(outputs, mb.data, one, one)
         if mb.is_dummy:
             loss = loss * 0.0
         if not step.eval_mode:
@@ -376,6 +385,7 @@ class PolicyWorker:
     @verb(*ON_DEVICE, collective=True)
     def get_logprobs(self, batch: TensorDict) -> torch.Tensor:
         """[B, T] logprobs of each token given the previous ones (position 0 and padding: 0)."""
+        self._require_head("lm", "get_logprobs")
         temp = self.cfg.logprob_temperature
         return self._scatter(
             batch,
@@ -398,6 +408,7 @@ class PolicyWorker:
     @verb(*ON_DEVICE, collective=True)
     def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k logits and token ids [B, T, k] of the distribution over each token (position 0: zeros)."""
+        self._require_head("lm", "get_topk_logits")
         vocab = self.model.config.vocab_size
         if not 1 <= k <= vocab:
             raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")

@@ -21,6 +21,7 @@ from posttrain.parallel.mesh import default_device
 from posttrain.policy.config import ModelConfig
 from posttrain.policy.model_init import model_config
 from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.reward_model import RewardModel, combine_rewards
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import Task
 
@@ -147,9 +148,11 @@ def score(
     results: list[GenerationResult],
     group: GroupConfig,
     max_new_tokens: int,
+    reward_model: RewardModel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Rewards and failure flags of `results` (`group.num_generations_per_prompt` per item, in group
-    order): failed rewards are NaN and flagged, never zeroed; with DAPO overlong shaping."""
+    order): failed rewards are NaN and flagged, never zeroed; with a `reward_model`, its scores weighted
+    and summed with the task's (rollout/reward_model.py); with DAPO overlong shaping."""
     g = group.num_generations_per_prompt
     flat = [it for it in items for _ in range(g)]
     texts = decode_completions(tokenizer, results)
@@ -158,9 +161,14 @@ def score(
         [float("nan") if f else r for r, f in zip(res.rewards, res.failed)], dtype=torch.float32
     )
     failed = torch.tensor(res.failed, dtype=torch.bool)
+    summary = res.summary()
+    if reward_model is not None:
+        scores = reward_model.score(flat, results)
+        rewards, failed, parts = combine_rewards(rewards, failed, scores, reward_model.cfg)
+        summary.update(parts)
     if group.overlong_reward_shaping:
         lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
         over = (lengths - (max_new_tokens - group.overlong_buffer_length)).clamp(min=0)
         over = over / group.overlong_buffer_length
         rewards = rewards - group.overlong_penalty * over.clamp(max=1.0)
-    return rewards, failed, res.summary()
+    return rewards, failed, summary

@@ -93,7 +93,8 @@ def _tokenized(prompt_ids: list[list[int]], chosen: list[str], rejected: list[st
 
 
 def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
-    """(train, eval) pairs of the arithmetic task: the correct answer against a wrong one, off by 1-5."""
+    """(train, eval) pairs of the arithmetic task: the correct answer against a wrong one, off by 1-5
+    (`wrong_per_problem` of them per problem)."""
     task = build_arithmetic_task(cfg.arithmetic, tokenizer)
     rng = random.Random(cfg.seed)
 

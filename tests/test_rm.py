@@ -1,0 +1,94 @@
+"""`posttrain rm` end to end on the built-in arithmetic pairs, then GRPO with that reward model as the only
+reward. What it took for the tiny model to pass 95% held-out pair accuracy: a warm start from an SFT'd
+model of the same task (addition up to 19+19: 400 problems, so that the reward model generalizes rather
+than memorizes 80), 8 wrong answers per problem, 32 pairs a step, lr 5e-4 with a cosine decay over
+1000 steps. A random-init tiny model stays near 55%; one wrong answer per problem, about 80%."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForSequenceClassification
+
+from posttrain.algorithms.grpo import GRPOConfig, run_grpo
+from posttrain.algorithms.rm import RMRunConfig, run_rm
+from posttrain.algorithms.sft import SFTConfig, run_sft
+from posttrain.config import ConfigError, build_config, load_config
+from posttrain.logging import read_metrics
+
+ADDITION = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
+QUIET = {"logging": {"progress_bar": False}}
+
+
+def sft(out, steps: int) -> str:
+    cfg = load_config(
+        SFTConfig,
+        "configs/sft_arithmetic.yaml",
+        [f"max_num_steps={steps}", f"val_period={steps}", f"output_dir={out}", "logging.progress_bar=false"],
+    )
+    run_sft(cfg.model_copy(update={"task": cfg.task.model_copy(update=ADDITION)}))
+    return str(out / "hf")
+
+
+def rm_cfg(out, start: str, steps: int = 1000) -> RMRunConfig:
+    policy = {
+        "model": {"name": start},
+        "optimizer": {"lr": 5e-4},
+        "scheduler": [{"kind": "cosine", "steps": steps}],
+        "train_global_batch_size": 64,
+        "microbatch": {"train_micro_batch_size": 64, "logprob_micro_batch_size": 64},
+    }
+    data = {"arithmetic": {"operations": ["+"], "max_operand": 19}, "wrong_per_problem": 8}
+    base = {"policy": policy, "data": data, "max_num_steps": steps, "val_period": 250, "output_dir": str(out)}
+    return build_config(RMRunConfig, {**base, **QUIET})
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    result = run_rm(rm_cfg(root / "rm", sft(root / "sft", 700)))
+    return root, result
+
+
+def test_the_reward_model_reaches_95_percent_held_out_pair_accuracy(reward_model):
+    root, result = reward_model
+    assert result["val_accuracy_at_start"] < 0.6  # a new head knows nothing
+    assert result["val_accuracy"] >= 0.95, result
+    val = [r for r in read_metrics(root / "rm" / "metrics.jsonl") if "val/accuracy" in r]
+    assert [r["step"] for r in val] == [0, 250, 500, 750, 1000]
+    model = AutoModelForSequenceClassification.from_pretrained(root / "rm" / "hf")
+    assert model.config.num_labels == 1
+
+
+def test_grpo_with_the_reward_model_alone_improves_held_out_accuracy(reward_model):
+    root, _ = reward_model
+    start = sft(root / "sft_short", 200)  # a weaker policy, with room to improve
+    overrides = [
+        f"policy.model.name={start}",
+        "task.operations=[+]",
+        "task.max_operand=19",
+        "task.max_eval_prompts=80",
+        "grpo.max_num_steps=80",
+        "grpo.val_period=40",
+        f"reward_model.path={root / 'rm' / 'hf'}",
+        "reward_model.task_weight=0",
+        f"output_dir={root / 'grpo'}",
+        "checkpointing.enabled=false",
+        "logging.progress_bar=false",
+    ]
+    cfg = load_config(GRPOConfig, "configs/grpo_arithmetic.yaml", overrides)
+    run_grpo(cfg)
+    rows = read_metrics(root / "grpo" / "metrics.jsonl")
+    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    assert val[-1] >= val[0] + 0.05, val  # measured: 0.438 -> 0.575
+    steps = [r for r in rows if "reward/model" in r]
+    assert len(steps) == 80 and all(r["reward"] == pytest.approx(r["reward/model"]) for r in steps)
+    assert all(0.0 <= r["reward/rule"] <= 1.0 for r in steps)  # the task's reward, logged only
+
+
+def test_a_language_model_head_is_refused_for_a_reward_model():
+    with pytest.raises(ConfigError, match="set policy.model.head=score"):
+        build_config(RMRunConfig, {"policy": {"model": {"head": "lm"}}})
+    cfg = build_config(RMRunConfig, {"policy": {"model": {"name": "runs/sft/hf"}}})
+    assert cfg.policy.model.head == "score"  # a section naming another model keeps the reward-model head
+    with pytest.raises(ConfigError, match="policy.microbatch.mode='packed'"):
+        build_config(RMRunConfig, {"policy": {"microbatch": {"mode": "packed"}}})
