@@ -54,7 +54,7 @@ class PreferenceDataConfig(Config):
         1,
         ge=1,
         le=10,
-        description="built-in pairs: pairs per problem (train and held out), each with another wrong answer",
+        description="built-in pairs: pairs per problem (train and held out), each drawing a wrong answer",
     )
     seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
 
@@ -98,14 +98,10 @@ def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
     task = build_arithmetic_task(cfg.arithmetic, tokenizer)
     rng = random.Random(cfg.seed)
 
-    def pairs(items, k: int = 1) -> list[PreferencePair]:
-        items = [it for it in items for _ in range(k)]
+    def pairs(items, k: int) -> list[PreferencePair]:
+        items = [it for it in items for _ in range(k)]  # k pairs per problem, each drawing its wrong answer
         answers = [int(it.metadata["answer"]) for it in items]
-        wrong = []
-        for i, a in enumerate(answers):  # k different wrong answers per problem
-            if i % k == 0:
-                offsets = rng.sample([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5], k)
-            wrong.append(a + offsets[i % k])
+        wrong = [a + rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5]) for a in answers]
         return _tokenized(
             [it.prompt_token_ids for it in items], list(map(str, answers)), list(map(str, wrong)), tokenizer
         )
