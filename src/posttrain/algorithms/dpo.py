@@ -42,6 +42,29 @@ def _default_policy() -> PolicyConfig:
     )
 
 
+def check_pairs_stay_whole(p: PolicyConfig, what: str) -> None:
+    """Refuse micro-batching that could split a (chosen, rejected) pair over two micro-batches or ranks."""
+    if p.microbatch.mode != "fixed":
+        raise ValueError(
+            f"policy.microbatch.mode={p.microbatch.mode!r}: {what} keeps each pair's two rows in one "
+            "micro-batch, which only fixed-size micro-batches do yet; set policy.microbatch.mode=fixed"
+        )
+    for key, value in (
+        ("train_global_batch_size", p.train_global_batch_size),
+        ("microbatch.train_micro_batch_size", p.microbatch.train_micro_batch_size),
+        ("microbatch.logprob_micro_batch_size", p.microbatch.logprob_micro_batch_size),
+    ):
+        if value % 2:
+            raise ValueError(
+                f"policy.{key}={value} is odd: {what} rows come in (chosen, rejected) pairs; use an even number"
+            )
+    if (p.train_global_batch_size // p.dp_size) % 2:
+        raise ValueError(
+            f"policy.train_global_batch_size={p.train_global_batch_size} over dp={p.dp_size} ranks gives "
+            "each rank an odd number of rows, which would split a pair; use a multiple of 2 x dp"
+        )
+
+
 class DPORunConfig(Config):
     """A DPO run. `policy.train_global_batch_size` counts rows: two per pair."""
 
@@ -63,26 +86,7 @@ class DPORunConfig(Config):
 
     @model_validator(mode="after")
     def _pairs_stay_whole(self) -> DPORunConfig:
-        p = self.policy
-        if p.microbatch.mode != "fixed":
-            raise ValueError(
-                f"policy.microbatch.mode={p.microbatch.mode!r}: DPO keeps each pair's two rows in one "
-                "micro-batch, which only fixed-size micro-batches do yet; set policy.microbatch.mode=fixed"
-            )
-        for key, value in (
-            ("train_global_batch_size", p.train_global_batch_size),
-            ("microbatch.train_micro_batch_size", p.microbatch.train_micro_batch_size),
-            ("microbatch.logprob_micro_batch_size", p.microbatch.logprob_micro_batch_size),
-        ):
-            if value % 2:
-                raise ValueError(
-                    f"policy.{key}={value} is odd: DPO rows come in (chosen, rejected) pairs; use an even number"
-                )
-        if (p.train_global_batch_size // p.dp_size) % 2:
-            raise ValueError(
-                f"policy.train_global_batch_size={p.train_global_batch_size} over dp={p.dp_size} ranks gives "
-                "each rank an odd number of rows, which would split a pair; use a multiple of 2 x dp"
-            )
+        check_pairs_stay_whole(self.policy, "DPO")
         return self
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from posttrain.algorithms.dpo import pair_batches, pair_rows
+from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_batches, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
 from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, write_config
 from posttrain.config import Config
@@ -44,29 +44,6 @@ def _default_policy() -> PolicyConfig:
         microbatch={"train_micro_batch_size": 32, "logprob_micro_batch_size": 64},
         init_reference_model=False,
     )
-
-
-def check_pairs_stay_whole(p: PolicyConfig, what: str) -> None:
-    """Refuse micro-batching that could split a (chosen, rejected) pair over two micro-batches or ranks."""
-    if p.microbatch.mode != "fixed":
-        raise ValueError(
-            f"policy.microbatch.mode={p.microbatch.mode!r}: {what} keeps each pair's two rows in one "
-            "micro-batch, which only fixed-size micro-batches do yet; set policy.microbatch.mode=fixed"
-        )
-    for key, value in (
-        ("train_global_batch_size", p.train_global_batch_size),
-        ("microbatch.train_micro_batch_size", p.microbatch.train_micro_batch_size),
-        ("microbatch.logprob_micro_batch_size", p.microbatch.logprob_micro_batch_size),
-    ):
-        if value % 2:
-            raise ValueError(
-                f"policy.{key}={value} is odd: {what} rows come in (chosen, rejected) pairs; use an even number"
-            )
-    if (p.train_global_batch_size // p.dp_size) % 2:
-        raise ValueError(
-            f"policy.train_global_batch_size={p.train_global_batch_size} over dp={p.dp_size} ranks gives "
-            "each rank an odd number of rows, which would split a pair; use a multiple of 2 x dp"
-        )
 
 
 class RMRunConfig(Config):
