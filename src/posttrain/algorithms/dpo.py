@@ -20,7 +20,7 @@ import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.losses import DPOConfig, DPOLoss
-from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, write_config
+from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, run_policy, write_config
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
@@ -154,19 +154,10 @@ def evaluate(policy: Policy, loss: DPOLoss, pairs, refs, pad_id: int) -> dict[st
 def run_dpo(cfg: DPORunConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the held-out ones: `val_accuracy` (implicit reward
     margin > 0), `val_policy_accuracy` (the policy's own logprob prefers the chosen completion; also
-    `val_policy_accuracy_at_start`), `val_loss`. Ctrl-C stops after the current step (`RunInterrupted`; nothing is saved)."""
-    from pathlib import Path
-
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    own = policy is None
-    policy = policy or Policy(cfg.policy)
-    try:
+    `val_policy_accuracy_at_start`), `val_loss`. Ctrl-C stops after the current step (`RunInterrupted`;
+    nothing is saved)."""
+    with run_policy(cfg.output_dir, cfg.seed, cfg.policy, policy) as (out, policy):
         return _train(cfg, policy, out)
-    finally:
-        if own:
-            policy.shutdown()
 
 
 def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_batches, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
-from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, write_config
+from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, run_policy, write_config
 from posttrain.config import Config
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
 from posttrain.models.tokenizer import pad_token_id
@@ -105,16 +105,8 @@ def run_rm(cfg: RMRunConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the held-out ones (`val_accuracy`, `val_loss`,
     `val_reward_margin`, and `val_accuracy_at_start`). Ctrl-C stops after the current step
     (`RunInterrupted`; nothing is saved)."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    own = policy is None
-    policy = policy or Policy(cfg.policy)
-    try:
+    with run_policy(cfg.output_dir, cfg.seed, cfg.policy, policy) as (out, policy):
         return _train(cfg, policy, out)
-    finally:
-        if own:
-            policy.shutdown()
 
 
 def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:

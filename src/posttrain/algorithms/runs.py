@@ -12,6 +12,8 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,14 +54,31 @@ def start_run(
 ) -> RunParts:
     """Output directory, global seed, then policy (unless given), tokenizer and task (the environment
     `env_cfg` when given), in that order."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    own_policy = policy is None
-    policy = policy or Policy(policy_cfg)
+    out, policy, own_policy = _open(output_dir, seed, policy_cfg, policy)
     tokenizer = build_tokenizer(policy_cfg.model)
     task = build_env(env_cfg) if env_cfg is not None else build_task(task_cfg, tokenizer)
     return RunParts(out, policy, tokenizer, task, own_policy)
+
+
+def _open(output_dir: str, seed: int, policy_cfg: PolicyConfig, policy: Policy | None):
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    return out, policy or Policy(policy_cfg), policy is None
+
+
+@contextmanager
+def run_policy(
+    output_dir: str, seed: int, policy_cfg: PolicyConfig, policy: Policy | None
+) -> Iterator[tuple[Path, Policy]]:
+    """`start_run` for runs without a task (preference pairs): output directory, global seed, then the
+    policy (unless given); a policy built here is shut down on exit."""
+    out, policy, own = _open(output_dir, seed, policy_cfg, policy)
+    try:
+        yield out, policy
+    finally:
+        if own:
+            policy.shutdown()
 
 
 def resume(
