@@ -13,14 +13,20 @@ step. Micro-batches must keep pairs whole, hence fixed-size micro-batches of an 
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.losses import DPOConfig, DPOLoss
-from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, run_policy, write_config
+from posttrain.algorithms.runs import (
+    StopOnInterrupt,
+    interrupted,
+    open_metrics,
+    run_policy,
+    shuffled_batches,
+    write_config,
+)
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
@@ -102,7 +108,7 @@ def pair_rows(pairs: list[PreferencePair], pad_id: int, multiple_of: int = 2):
     return batch_from_sequences(prompts, completions, pad_id, mask)
 
 
-def with_reference(policy: Policy, pairs: list[PreferencePair], pad_id: int) -> list[torch.Tensor]:
+def with_reference(policy: Policy, pairs: list[PreferencePair], pad_id: int) -> list[list[torch.Tensor]]:
     """Each pair's [2, T] logprobs under the policy's current weights (the reference), computed once."""
     out: list[torch.Tensor] = []
     chunk = max(policy.cfg.train_global_batch_size // 2, 1) * 8
@@ -127,20 +133,6 @@ def training_batch(pairs, refs, pad_id: int, multiple_of: int):
         ref[i, : r.shape[0]] = r
     batch["reference_logprobs"] = ref
     return batch
-
-
-def pair_batches(n: int, pairs_per_step: int, seed: int):
-    """Endless index lists of `pairs_per_step` pairs, reshuffled every epoch (seeded)."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        batch = []
-        while len(batch) < pairs_per_step:
-            if not order:
-                order = list(range(n))
-                rng.shuffle(order)
-            batch.append(order.pop())
-        yield batch
 
 
 def evaluate(policy: Policy, loss: DPOLoss, pairs, refs, pad_id: int) -> dict[str, float]:
@@ -184,7 +176,7 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
         start = evaluate(policy, loss, heldout, held_refs, pad_id)
         metrics_log.log(start, 0, prefix="val")
         last["val_policy_accuracy_at_start"] = start["policy_accuracy"]
-    batches = pair_batches(len(train), gbs // 2, cfg.seed)
+    batches = shuffled_batches(len(train), gbs // 2, cfg.seed)
     step = 0
     try:
         with StopOnInterrupt("dpo", saves=False) as stop:

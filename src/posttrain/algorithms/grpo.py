@@ -46,7 +46,7 @@ from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
 from posttrain.rollout.groups import check_context, engine_config, probe_sync, step_seed
-from posttrain.rollout.reward_model import RewardModel, RewardModelConfig, mean_reward_parts
+from posttrain.rollout.reward_model import RewardModel, RewardModelConfig
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.tasks.datasets import PromptItem
@@ -356,7 +356,7 @@ def generate(run: Run) -> Rollouts:
         "timing/reward_s": t_reward,
     }
     metrics.update(episodes.mean_episode_metrics(summaries))  # environments: the draws' mean
-    metrics.update(mean_reward_parts(summaries))  # a reward model's and the task's parts
+    metrics.update(episodes.mean_metrics(summaries, "reward/"))  # a reward model's and the task's parts
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 

@@ -22,9 +22,16 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_batches, pair_rows
+from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
-from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, run_policy, write_config
+from posttrain.algorithms.runs import (
+    StopOnInterrupt,
+    interrupted,
+    open_metrics,
+    run_policy,
+    shuffled_batches,
+    write_config,
+)
 from posttrain.config import Config
 from posttrain.logging import LoggingConfig, StepProgress, get_logger
 from posttrain.models.tokenizer import pad_token_id
@@ -131,7 +138,7 @@ def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:
     if heldout:
         validate(0)
         last["val_accuracy_at_start"] = last["val_accuracy"]
-    batches = pair_batches(len(train), gbs // 2, cfg.seed)
+    batches = shuffled_batches(len(train), gbs // 2, cfg.seed)
     step = 0
     try:
         with StopOnInterrupt("rm", saves=False) as stop:

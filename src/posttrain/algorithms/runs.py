@@ -9,6 +9,7 @@ step are dropped). `StopOnInterrupt` turns Ctrl-C into a stop at the next step b
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import threading
@@ -65,6 +66,20 @@ def _open(output_dir: str, seed: int, policy_cfg: PolicyConfig, policy: Policy |
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     return out, policy or Policy(policy_cfg), policy is None
+
+
+def shuffled_batches(n: int, size: int, seed: int) -> Iterator[list[int]]:
+    """Endless lists of `size` indices into `n` items, reshuffled every epoch (seeded)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        batch = []
+        while len(batch) < size:
+            if not order:
+                order = list(range(n))
+                rng.shuffle(order)
+            batch.append(order.pop())
+        yield batch
 
 
 @contextmanager

@@ -6,13 +6,19 @@ train, log; evaluate the held-out loss every `val_period` steps; save a Hugging 
 
 from __future__ import annotations
 
-import random
 import time
 
 from pydantic import Field
 
 from posttrain.algorithms.losses import NLLLoss
-from posttrain.algorithms.runs import StopOnInterrupt, interrupted, open_metrics, start_run, write_config
+from posttrain.algorithms.runs import (
+    StopOnInterrupt,
+    interrupted,
+    open_metrics,
+    shuffled_batches,
+    start_run,
+    write_config,
+)
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.envs.build import EnvConfig, EnvSuite
@@ -58,16 +64,8 @@ def example_batches(examples: list[SFTExample], batch_size: int, seed: int):
     """Endless batches of examples, reshuffled each epoch (seeded)."""
     if not examples:
         raise ValueError("the task has no SFT examples; SFT needs a task with prompts and reference answers")
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        batch = []
-        while len(batch) < batch_size:
-            if not order:
-                order = list(range(len(examples)))
-                rng.shuffle(order)
-            batch.append(examples[order.pop()])
-        yield batch
+    for indices in shuffled_batches(len(examples), batch_size, seed):
+        yield [examples[i] for i in indices]
 
 
 def to_batch(examples: list[SFTExample], pad_id: int, multiple_of: int = 1):

@@ -93,13 +93,19 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
 
 
-def mean_episode_metrics(summaries: list[dict[str, float]]) -> dict[str, float]:
-    """The `env/` metrics of several draws or groups, averaged (each over the summaries that have it)."""
+def mean_metrics(summaries: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """The metrics under `prefix` of several draws or groups, averaged (each over the summaries that
+    have it)."""
     out = {}
-    for key in sorted({k for s in summaries for k in s if k.startswith("env/")}):
+    for key in sorted({k for s in summaries for k in s if k.startswith(prefix)}):
         values = [s[key] for s in summaries if key in s]
         out[key] = sum(values) / len(values)
     return out
+
+
+def mean_episode_metrics(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """The `env/` metrics of several draws or groups, averaged."""
+    return mean_metrics(summaries, "env/")
 
 
 def validate_env(

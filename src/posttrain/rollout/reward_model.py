@@ -138,12 +138,3 @@ def combine_rewards(
         "reward/rule": float(ok_rule.mean()) if len(ok_rule) else float("nan"),
     }
     return rewards, failed, metrics
-
-
-def mean_reward_parts(summaries: list[dict[str, float]]) -> dict[str, float]:
-    """The `reward/` metrics of several draws, averaged (each over the summaries that have it)."""
-    out = {}
-    for key in sorted({k for s in summaries for k in s if k.startswith("reward/")}):
-        values = [s[key] for s in summaries if key in s]
-        out[key] = sum(values) / len(values)
-    return out

@@ -59,9 +59,12 @@ class PreferenceDataConfig(Config):
     seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
 
 
-def _text(row: Any, index: int, key: str, source: str) -> str:
+def _text(row: Any, index: int, cfg: PreferenceDataConfig, field: str, source: str) -> str:
+    key = getattr(cfg, field)
     if not isinstance(row, dict) or key not in row:
-        raise ValueError(f"{source}: row {index} has no '{key}' field; set data.{key.split('_')[0]}_key")
+        raise ValueError(
+            f"{source}: row {index} has no '{key}' field; name the column with data.{field}=COLUMN"
+        )
     value = row[key]
     if not isinstance(value, str) or not value:
         raise ValueError(f"{source}: row {index} field '{key}' must be a non-empty string, got {value!r}")
@@ -71,9 +74,9 @@ def _text(row: Any, index: int, key: str, source: str) -> str:
 def _pairs_from_rows(rows: list[Any], cfg: PreferenceDataConfig, tokenizer: Any, source: str):
     prompts, chosen, rejected = [], [], []
     for i, row in enumerate(rows):
-        prompts.append(_text(row, i, cfg.prompt_key, source))
-        chosen.append(_text(row, i, cfg.chosen_key, source))
-        rejected.append(_text(row, i, cfg.rejected_key, source))
+        prompts.append(_text(row, i, cfg, "prompt_key", source))
+        chosen.append(_text(row, i, cfg, "chosen_key", source))
+        rejected.append(_text(row, i, cfg, "rejected_key", source))
     use_chat = uses_chat_template(tokenizer, cfg.prompt_format)
     texts = [format_prompt(p, tokenizer, cfg.prompt_format, use_chat) for p in prompts]
     return _tokenized(
