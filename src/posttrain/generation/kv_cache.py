@@ -59,6 +59,7 @@ class SlotKVCache:
         self.max_len = max_len
         self.capacities = list(capacities) if capacities is not None else [max_len] * num_layers
         assert len(self.capacities) == num_layers and all(0 < c <= max_len for c in self.capacities)
+        self._rings = sorted(set(self.capacities) - {max_len})  # the ring capacities (windowed layers)
         self._ring_index: dict[int, torch.Tensor] = {}  # capacity -> [rows, capacity] source columns
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
@@ -103,7 +104,7 @@ class SlotKVCache:
         """For each ring capacity w: which column of [ring as it was (w columns), the chunk] each ring
         column takes, so that it ends holding the last w real positions of its row."""
         self._ring_index = {}
-        for w in sorted(set(self.capacities) - {self.max_len}):
+        for w in self._rings:
             assert lengths is not None and offsets is not None, "a ring layer needs the rows' lengths"
             wanted = ring_positions(lengths - 1, w)  # the position each column must hold afterwards
             keep = torch.arange(w, device=lengths.device)[None, :].expand_as(wanted)
@@ -113,6 +114,10 @@ class SlotKVCache:
         """The next forward writes one token per slot 0..rows-1 at `positions` [rows] and attends over
         positions < `length`."""
         self._mode, self._rows, self._positions, self._length = "decode", rows, positions, length
+        # each layer capacity's columns, once per step (a ring of capacity w holds position p at p % w)
+        self._decode_columns = {self.max_len: positions} | {
+            w: torch.remainder(positions, w) for w in self._rings
+        }
         if self._row_index is None or self._row_index.shape[0] < rows:
             self._row_index = torch.arange(self.num_slots, device=positions.device)
 
@@ -142,8 +147,9 @@ class SlotKVCache:
             return k[rows, :, : self._length], v[rows, :, : self._length]
         if self._mode == "decode":
             rows = self._row_index[: self._rows]
+            columns = self._decode_columns[self.capacities[layer_idx]]
             return self.write_decode(
-                layer_idx, rows, self._positions, key_states[:, :, 0], value_states[:, :, 0], self._length
+                layer_idx, rows, columns, key_states[:, :, 0], value_states[:, :, 0], self._length
             )
         raise RuntimeError("SlotKVCache.update called without plan_prefill/plan_decode (engine bug)")
 
@@ -165,20 +171,19 @@ class SlotKVCache:
         self,
         layer: int,
         rows: torch.Tensor,
-        positions: torch.Tensor,
+        columns: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         length: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one token's keys/values [n, kv_heads, head_dim] per slot `rows` at `positions`; return
-        the views [n, kv_heads, length, head_dim] to attend over (slots 0..n-1; a ring layer of capacity
-        w: its first min(length, w) columns, which hold exactly the positions in the window)."""
+        """Write one token's keys/values [n, kv_heads, head_dim] per slot `rows` at cache `columns` (the
+        positions; for a ring layer of capacity w, the positions mod w); return the views
+        [n, kv_heads, length, head_dim] to attend over (slots 0..n-1; a ring layer: its first
+        min(length, w) columns, which hold exactly the positions in the window)."""
         k, v = self.keys[layer], self.values[layer]
-        w = self.capacities[layer]
-        if w < self.max_len:
-            positions, length = torch.remainder(positions, w), min(length, w)
-        k[rows, :, positions] = keys
-        v[rows, :, positions] = values
+        length = min(length, self.capacities[layer])
+        k[rows, :, columns] = keys
+        v[rows, :, columns] = values
         n = keys.shape[0]
         return k[:n, :, :length], v[:n, :, :length]
 

@@ -36,7 +36,6 @@ from posttrain.logging import get_logger
 log = get_logger(__name__)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-MASK_ATTENTION = ("eager", "sdpa")  # attention implementations that take the engine's 4-D masks
 
 
 def layer_windows(config, max_len: int) -> list[int | None]:
