@@ -25,7 +25,16 @@ console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
 
 
-CONFIG_COMMANDS = ("demo", "sft", "dpo", "rm", "grpo", "grpo-async", "distill")  # what `config show` knows
+CONFIG_COMMANDS = (
+    "demo",
+    "sft",
+    "dpo",
+    "rm",
+    "grpo",
+    "grpo-async",
+    "distill",
+    "ppo",
+)  # what `config show` knows
 
 
 def config_class(command: str) -> type[Config]:
@@ -36,6 +45,7 @@ def config_class(command: str) -> type[Config]:
     from posttrain.algorithms.distill import DistillConfig
     from posttrain.algorithms.dpo import DPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.ppo import PPOConfig
     from posttrain.algorithms.rm import RMRunConfig
     from posttrain.algorithms.sft import SFTConfig
 
@@ -47,6 +57,7 @@ def config_class(command: str) -> type[Config]:
         "grpo": GRPOConfig,
         "grpo-async": AsyncGRPORunConfig,
         "distill": DistillConfig,
+        "ppo": PPOConfig,
     }
     return classes[command]
 
@@ -113,6 +124,21 @@ def _distill(args: argparse.Namespace) -> int:
     console.print(
         f"[bold green]distillation done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}"
     )
+    return 0
+
+
+def _ppo(args: argparse.Namespace) -> int:
+    from posttrain.algorithms.ppo import run_ppo
+
+    cfg = load_config(config_class("ppo"), args.config, args.overrides + _overwrite(args))
+    check_output_dir(cfg.output_dir)
+    result = run_ppo(cfg)
+    names = {
+        "reward": "reward",
+        "ppo/explained_variance": "critic explained variance",
+        "val/accuracy": "held-out accuracy",
+    }
+    console.print(f"[bold green]PPO done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}")
     return 0
 
 
@@ -269,11 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
             "on-policy distillation: the student samples, a teacher's per-token reverse KL trains it",
         ),
         ("rm", _rm, "train a reward model (Bradley-Terry) on (prompt, chosen, rejected) pairs"),
+        ("ppo", _ppo, "PPO with a critic: GAE advantages from a value model, clipped value loss, epochs"),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
-        if name.startswith("grpo") or name == "distill":
+        if name.startswith("grpo") or name in ("distill", "ppo"):
             p.add_argument(
                 "--overwrite",
                 action="store_true",

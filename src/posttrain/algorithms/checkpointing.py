@@ -9,12 +9,19 @@ state. `resume: auto` continues from the newest checkpoint whose files match the
 Only committed `step_<N>` directories count. What a killed save leaves behind (`step_<N>.tmp-<id>`,
 and `step_<N>.old-<id>` when it was replacing a checkpoint; see checkpoint.py) is cleaned up when the
 run starts: a checkpoint that was moved aside and never replaced is moved back, the rest is removed.
+
+Companions: policies trained beside the policy (PPO's critic) are saved first, each as its own
+checkpoint `step_<N>-<name>`, then the policy's `step_<N>`, whose commit commits the step. Every save
+has an id, written into the companions' extra state and listed in the policy's, so a step whose
+companion is missing, damaged or from another save (a save killed between the two) is not intact; a
+companion whose step never committed is removed with the other leftovers.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +53,8 @@ class CheckpointingConfig(Config):
 
 
 STEP_DIR = re.compile(r"step_(\d+)")
-LEFTOVER = re.compile(r"(step_\d+)\.(tmp|old)-\w+")
+LEFTOVER = re.compile(r"(step_\d+(?:-[A-Za-z]\w*)?)\.(tmp|old)-\w+")
+COMPANION = re.compile(r"(step_\d+)-([A-Za-z]\w*)")
 
 
 def _step_of(path: Path) -> int | None:
@@ -58,9 +66,36 @@ def _step_of(path: Path) -> int | None:
 class CheckpointManager:
     """Saves and finds checkpoints for a training loop."""
 
-    def __init__(self, cfg: CheckpointingConfig, output_dir: str | Path) -> None:
+    def __init__(
+        self, cfg: CheckpointingConfig, output_dir: str | Path, companions: tuple[str, ...] = ()
+    ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.checkpoint_dir or Path(output_dir) / "checkpoints").absolute()
+        self.companions = companions  # names of the policies saved beside the policy (see the docstring)
+        self.resumed: Path | None = None  # the checkpoint resume_path picked
+
+    @staticmethod
+    def companion_path(path: Path, name: str) -> Path:
+        """Where companion `name` of checkpoint `path` (a `step_<N>` directory) lives."""
+        return path.parent / f"{path.name}-{name}"
+
+    def check_companions(self, path: Path) -> None:
+        """Raise ValueError unless each companion of `path` is intact and from the same save."""
+        if not self.companions:
+            return
+        listed = read_json(path / "extra_state.json").get("companions", {})
+        for name in self.companions:
+            other = self.companion_path(path, name)
+            if name not in listed:
+                raise ValueError(
+                    f"it has no {name} (written by a run without one); resume from a checkpoint of this "
+                    "kind of run, or start over"
+                )
+            if not (other / "metadata.json").is_file():
+                raise ValueError(f"its {name} checkpoint {other.name} is missing")
+            verify_checkpoint(other)
+            if read_json(other / "extra_state.json").get("save_id") != listed[name]:
+                raise ValueError(f"its {name} checkpoint {other.name} is from another save")
 
     def complete_checkpoints(self) -> list[Path]:
         """Committed checkpoints (`step_<N>` with metadata.json), oldest first."""
@@ -93,6 +128,11 @@ class CheckpointManager:
                 )
             else:
                 log.warning("removed %s, left by an interrupted save", path)
+        for path in self.root.iterdir():
+            match = COMPANION.fullmatch(path.name)
+            if match and not (self.root / match.group(1) / "metadata.json").is_file():
+                shutil.rmtree(path, ignore_errors=True)
+                log.warning("removed %s, a companion whose checkpoint was never committed", path)
 
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from, or None for a fresh start (after `clean_leftovers`)."""
@@ -101,13 +141,19 @@ class CheckpointManager:
         if mode == "never":
             return None
         if mode == "auto":
-            return self._newest_intact()
+            self.resumed = self._newest_intact()
+            return self.resumed
         path = Path(mode)
         if not (path / "metadata.json").is_file():
             raise ValueError(
                 f"checkpointing.resume='{mode}' is not a complete checkpoint (no metadata.json); "
                 "use 'auto', 'never' or the path of a step_<N> directory"
             )
+        try:
+            self.check_companions(path)
+        except ValueError as e:
+            raise ValueError(f"checkpointing.resume='{mode}' cannot resume this run: {e}") from None
+        self.resumed = path
         return path
 
     def _newest_intact(self) -> Path | None:
@@ -117,6 +163,7 @@ class CheckpointManager:
         for path in reversed(self.complete_checkpoints()):
             try:
                 verify_checkpoint(path)
+                self.check_companions(path)
             except ValueError as e:
                 log.warning("skipping checkpoint %s: %s", path, e)
                 skipped.append(f"{path.name}: {e}")
@@ -135,10 +182,27 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or step == last_step)
 
-    def save(self, policy: Any, step: int, extra_state: dict[str, Any], metrics: dict[str, float]) -> Path:
-        """Save atomically, record the ranking metric, prune to keep_top_k."""
+    def save(
+        self,
+        policy: Any,
+        step: int,
+        extra_state: dict[str, Any],
+        metrics: dict[str, float],
+        companions: dict[str, Any] | None = None,
+    ) -> Path:
+        """Save atomically (companions first, the policy's commit last), record the ranking metric, prune
+        to keep_top_k."""
+        companions = companions or {}
+        if set(companions) != set(self.companions):
+            raise ValueError(f"companions {sorted(companions)} != the manager's {sorted(self.companions)}")
         path = self.root / f"step_{step}"
-        policy.save_checkpoint(str(path), extra_state={**extra_state, "metrics": _finite(metrics)})
+        save_id = uuid.uuid4().hex
+        for name, other in companions.items():
+            other.save_checkpoint(str(self.companion_path(path, name)), {"save_id": save_id, "step": step})
+        listed = {name: save_id for name in companions}
+        policy.save_checkpoint(
+            str(path), extra_state={**extra_state, "metrics": _finite(metrics), "companions": listed}
+        )
         self._prune()
         return path
 
@@ -174,6 +238,8 @@ class CheckpointManager:
         for p in found:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)
+                for name in self.companions:
+                    shutil.rmtree(self.companion_path(p, name), ignore_errors=True)
                 log.info("removed checkpoint %s (keep_top_k=%d)", p, k)
 
 

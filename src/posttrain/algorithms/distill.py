@@ -31,6 +31,8 @@ trained (its own `Policy`, distill_teacher.py) and must share the student's voca
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field, model_validator
 from tensordict import TensorDict
@@ -68,6 +70,8 @@ class DistillSettings(Config):
 
 class DistillConfig(grpo.GRPOConfig):
     """An on-policy distillation run: a synchronous GRPO run whose advantages come from a teacher."""
+
+    algorithm: ClassVar[str] = "distill"
 
     distill: DistillSettings = Field(default_factory=DistillSettings)
     output_dir: str = Field(

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field, model_validator
@@ -58,6 +58,8 @@ log = get_logger(__name__)
 class GRPOConfig(GRPORunSections):
     """A synchronous GRPO run."""
 
+    algorithm: ClassVar[str] = "grpo"  # its name in progress bars and messages (ppo.py, distill.py: theirs)
+
     loss: ClippedPGConfig = Field(default_factory=ClippedPGConfig)
     colocated: bool = Field(
         True,
@@ -83,6 +85,10 @@ class GRPOConfig(GRPORunSections):
                 "reward_model with env: a reward model scores single-turn completions of a task; unset env"
             )
         return self
+
+    def passes_over_batch(self) -> int:
+        """How many times a step trains on its batch (PPO's epochs; once for GRPO)."""
+        return 1
 
 
 def batch_size_problem(cfg: GRPOConfig) -> str | None:
@@ -144,6 +150,7 @@ class Run:
     weight_sync: WeightSync
     share_weights: bool = False  # the engine aliases the trainer's tensors (see sync_weights)
     reward_model: RewardModel | None = None  # scores completions with (or instead of) the task's reward
+    companions: dict[str, Policy] = field(default_factory=dict)  # trained beside the policy (PPO's critic)
     step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -158,25 +165,34 @@ class Run:
 
 
 def run_grpo(
-    cfg: GRPOConfig, policy: Policy | None = None, step_fn: Callable[[Run], dict[str, float]] | None = None
+    cfg: GRPOConfig,
+    policy: Policy | None = None,
+    step_fn: Callable[[Run], dict[str, float]] | None = None,
+    companions: dict[str, Policy] | None = None,
 ) -> dict[str, float]:
     """Train with GRPO; returns the final metrics (including the last validation). Ctrl-C stops after
     the current step, with a checkpoint there, by raising `RunInterrupted`. `step_fn` replaces
-    `grpo_step` (distill.py runs its steps in this loop)."""
+    `grpo_step` (distill.py and ppo.py run their steps in this loop). `companions`: policies trained
+    beside the policy (PPO's critic), saved in each checkpoint and restored on resume with it."""
     step_fn = step_fn or grpo_step
-    ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir)
+    companions = companions or {}
+    ckpt = CheckpointManager(cfg.checkpointing, cfg.output_dir, tuple(companions))
     check_fresh_start(cfg.output_dir, ckpt)
     run = setup(cfg, policy)
+    run.companions = companions
     last = resume_from(run, ckpt)  # the checkpoint's metrics: the result when nothing is left to train
     metrics_log = start_history(run.out, cfg, ckpt, cfg.logging, run.step)
     if run.step and run.step >= cfg.grpo.max_num_steps:
         log.warning("the run is at step %d already: nothing to train (raise grpo.max_num_steps)", run.step)
     progress = StepProgress(
-        cfg.grpo.max_num_steps, "grpo", ("reward", "val/accuracy", "step_time_s"), cfg.logging.progress_bar
+        cfg.grpo.max_num_steps,
+        cfg.algorithm,
+        ("reward", "val/accuracy", "step_time_s"),
+        cfg.logging.progress_bar,
     )
     saved = run.step  # the newest checkpoint's step
     try:
-        with StopOnInterrupt("grpo", cfg.checkpointing.enabled) as stop:
+        with StopOnInterrupt(cfg.algorithm, cfg.checkpointing.enabled) as stop:
             if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
                 last.update(validate(run))
                 metrics_log.log(last, 0)
@@ -189,7 +205,7 @@ def run_grpo(
                 progress.update(run.step, metrics)
                 last.update(metrics)
                 if ckpt.should_save(run.step, cfg.grpo.max_num_steps):
-                    ckpt.save(run.policy, run.step, loop_state(run), metrics)
+                    ckpt.save(run.policy, run.step, loop_state(run), metrics, run.companions)
                     saved = run.step
             if stop.requested and keeps_going(run):
                 raise stop_here(run, ckpt, saved, last)
@@ -212,13 +228,18 @@ def stop_here(run: Run, ckpt: CheckpointManager, saved: int, metrics: dict[str, 
     if not run.cfg.checkpointing.enabled or run.step == 0:
         path = None
     elif saved != run.step or not (path / "metadata.json").is_file():
-        path = ckpt.save(run.policy, run.step, loop_state(run), metrics)
-    return interrupted("grpo", run.step, run.cfg.grpo.max_num_steps, run.cfg.checkpointing, path)
+        path = ckpt.save(run.policy, run.step, loop_state(run), metrics, run.companions)
+    return interrupted(run.cfg.algorithm, run.step, run.cfg.grpo.max_num_steps, run.cfg.checkpointing, path)
 
 
-def grpo_step(run: Run, logprobs_fn: Callable[[Run, Any], None] | None = None) -> dict[str, float]:
+def grpo_step(
+    run: Run,
+    logprobs_fn: Callable[[Run, Any], None] | None = None,
+    train_fn: Callable[[Run, Any], dict[str, float]] | None = None,
+) -> dict[str, float]:
     """One step: generate -> score -> advantages -> logprobs -> train -> sync. `logprobs_fn` replaces
-    `add_logprobs` (distill.py adds the teacher's logprobs and its advantages there)."""
+    `add_logprobs` (distill.py adds the teacher's logprobs and its advantages there; ppo.py the
+    critic's values and GAE advantages), `train_fn` replaces `train` (ppo.py: critic and epochs)."""
     t0 = time.perf_counter()
     run.timings = {}
     with run.timed("generation"):
@@ -227,8 +248,7 @@ def grpo_step(run: Run, logprobs_fn: Callable[[Run, Any], None] | None = None) -
     with run.timed("logprobs"):
         (logprobs_fn or add_logprobs)(run, batch)
     with run.timed("training"):
-        run.policy.prepare_for_training()
-        train_metrics = run.policy.train(batch, run.loss_fn)
+        train_metrics = (train_fn or train)(run, batch)
     with run.timed("weight_sync"):
         sync_metrics = sync_weights(run)
     metrics = {
@@ -390,7 +410,7 @@ def skips_prev_logprobs(cfg: GRPOConfig) -> bool:
     the step's samples make one optimizer step, so the loss takes prev from its own forward
     (force_on_policy_ratio), for the ratio and the importance-sampling weights alike."""
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    one_step = samples <= cfg.policy.train_global_batch_size
+    one_step = samples <= cfg.policy.train_global_batch_size and cfg.passes_over_batch() == 1
     return cfg.grpo.recompute_prev_logprobs == "auto" and one_step
 
 
@@ -406,6 +426,12 @@ def add_logprobs(run: Run, batch) -> None:
         batch["reference_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
     else:
         batch["reference_logprobs"] = torch.zeros_like(batch["prev_logprobs"])
+
+
+def train(run: Run, batch) -> dict[str, float]:
+    """The step's optimizer steps over the batch (`policy.train_global_batch_size` rows each)."""
+    run.policy.prepare_for_training()
+    return run.policy.train(batch, run.loss_fn)
 
 
 def sync_weights(run: Run) -> dict[str, float]:
@@ -483,6 +509,9 @@ def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
     extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE)
     if extra is None:
         return {}
+    for name, other in run.companions.items():
+        other.prepare_for_training()
+        other.load_checkpoint(str(ckpt.companion_path(ckpt.resumed, name)))
     run.step = int(extra["step"])
     run.task.train.load_state_dict(extra["train_data"])
     sync_weights(run)

@@ -1,4 +1,5 @@
-"""Loss functions: clipped policy gradient (GRPO/PPO family), NLL (SFT), DPO and Bradley-Terry (reward models).
+"""Loss functions: clipped policy gradient (GRPO/PPO family), NLL (SFT), DPO, Bradley-Terry (reward
+models) and the clipped value loss (PPO's critic).
 
 Contract (DESIGN.md, "normalization contract"): a loss is called per micro-batch with the per-token
 logprobs of the current policy, the micro-batch, and the global valid sequence and token counts of
@@ -27,7 +28,7 @@ from tensordict import TensorDict
 
 from posttrain.config import Config
 from posttrain.data.normalization import LossFn, LossType, MetricKind
-from posttrain.models.scalar_head import last_token_values
+from posttrain.models.scalar_head import action_values, last_token_values
 
 __all__ = [
     "BradleyTerryConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "LossFn",
     "LossType",
     "NLLLoss",
+    "ValueLoss",
     "kl_penalty",
     "with_completion_length",
 ]
@@ -448,5 +450,55 @@ class BradleyTerryLoss:
                 "reward_chosen": (chosen * scale).sum(),
                 "reward_rejected": (rejected * scale).sum(),
                 "num_valid_samples": batch["sample_mask"].float().sum(),
+            }
+        return loss, metrics
+
+
+class ValueLoss:
+    """PPO's clipped value loss for a critic (a scalar-head model, `head = "score"`):
+
+        0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)   per trained token,
+
+    V: the critic's value of the state each token was sampled from (`action_values`), V_old: the values
+    the returns were computed with (batch `old_values`), R: the GAE returns (batch `returns`);
+    `clip=None` drops the clipped term. Token-level: the masked sum / the global valid tokens.
+    """
+
+    head = "score"
+    required_keys = ("returns", "old_values")
+    loss_type = LossType.TOKEN_LEVEL
+    metric_kinds: dict[str, MetricKind] = {
+        "loss": "loss_type",
+        "value_clip_fraction": "toks",
+        "value_mean": "toks",
+        "value_abs_error": "toks",
+        "num_valid_samples": "none",
+        "num_valid_tokens": "none",
+    }
+
+    def __init__(self, clip: float | None = 0.2) -> None:
+        if clip is not None and clip <= 0:
+            raise ValueError(f"value clip {clip} must be > 0 (or None: no clipping)")
+        self.clip = clip
+
+    def __call__(self, values, batch, global_valid_seqs, global_valid_toks):
+        red = _Reducer(batch, self.loss_type, global_valid_seqs, global_valid_toks)
+        v = action_values(values.float())
+        returns, old = batch["returns"].float(), batch["old_values"].float()
+        per_token = (v - returns).square()
+        clipped = torch.zeros_like(per_token)
+        if self.clip is not None:
+            v_clipped = old + (v - old).clamp(-self.clip, self.clip)
+            other = (v_clipped - returns).square()
+            clipped = (other > per_token).float()
+            per_token = torch.maximum(per_token, other)
+        loss = 0.5 * red.toks_mean(per_token)
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach(),
+                "value_clip_fraction": red.toks_mean(clipped),
+                "value_mean": red.toks_mean(v.detach()),
+                "value_abs_error": red.toks_mean((v.detach() - returns).abs()),
+                **red.counts(),
             }
         return loss, metrics

@@ -22,6 +22,9 @@ SCHEMA: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
     "generation_logprobs": ("BT", (torch.float32, torch.float64)),
     "prev_logprobs": ("BT", (torch.float32, torch.float64)),
     "reference_logprobs": ("BT", (torch.float32, torch.float64)),
+    "rewards": ("B", (torch.float32, torch.float64)),
+    "returns": ("BT", (torch.float32, torch.float64)),
+    "old_values": ("BT", (torch.float32, torch.float64)),
 }
 
 BASE_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")

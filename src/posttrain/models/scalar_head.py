@@ -21,8 +21,10 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForSequenceClassification, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 from posttrain.data.microbatch import MicroBatch
+from posttrain.logging import get_logger
 from posttrain.models.families import attn_implementation
 from posttrain.models.hf import TinyModelConfig, hf_source, load_hf_config, tiny_config
 from posttrain.models.logprobs import (
@@ -35,6 +37,8 @@ from posttrain.models.logprobs import (
 )
 
 Head = Literal["lm", "score"]
+
+log = get_logger(__name__)
 
 
 def score_model_config(config: PretrainedConfig, pad_id: int) -> PretrainedConfig:
@@ -87,15 +91,35 @@ def load_score_model(name: str, pad_id: int, seed: int = 0):
     config = load_hf_config(name)
     check_score_source(config, name)
     source, kwargs = hf_source(name)
-    with torch.random.fork_rng(devices=[]):
+    from_lm = not any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    quiet = _quiet_transformers() if from_lm else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), quiet:
         torch.manual_seed(seed)
-        return AutoModelForSequenceClassification.from_pretrained(
+        model = AutoModelForSequenceClassification.from_pretrained(
             source,
             config=score_model_config(config, pad_id),
             dtype=torch.float32,
             attn_implementation=attn_implementation(config),
             **kwargs,
         )
+    if from_lm:  # transformers' load report would list lm_head as unexpected and score as missing
+        log.info(
+            "scalar head on causal LM '%s': its lm_head is dropped, the score head is new (seed %d)",
+            name,
+            seed,
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' logging at error level during the block."""
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
 
 
 @contextlib.contextmanager
@@ -143,6 +167,13 @@ def last_token_values(values: torch.Tensor, input_lengths: torch.Tensor) -> torc
     """[b] the value at each row's last real token (position input_lengths - 1) of [b, t] values."""
     rows = torch.arange(values.shape[0], device=values.device)
     return values[rows, (input_lengths.to(values.device) - 1).clamp(min=0)]
+
+
+def action_values(values: torch.Tensor) -> torch.Tensor:
+    """A critic's [b, t] values aligned with logprobs: position i holds the value of the state token i was
+    sampled from, the head's output after reading tokens < i (values shifted right by one; position 0,
+    never trained, holds 0)."""
+    return torch.nn.functional.pad(values[:, :-1], (1, 0))
 
 
 def model_outputs(

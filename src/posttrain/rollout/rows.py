@@ -69,6 +69,8 @@ def samples_to_batch(
     )
     batch["generation_logprobs"] = completion_values(batch, (_sampled(r) for r in results))
     batch["advantages"] = adv[:, None] * batch["token_mask"]
+    clean = torch.where(failed, torch.zeros_like(rewards), rewards.float())  # a failed reward is NaN
+    batch["rewards"] = torch.cat([clean, torch.zeros(pad)]) * mask
     metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics
 
@@ -82,7 +84,15 @@ def _sampled(r: GenerationResult | Trajectory) -> list[float]:
 
 # --------------------------------------------------------------------------- rows of one group each
 
-ROW_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages")
+ROW_KEYS = (
+    "input_ids",
+    "input_lengths",
+    "token_mask",
+    "sample_mask",
+    "generation_logprobs",
+    "advantages",
+    "rewards",
+)
 
 
 def attach_rows(groups: list[GroupSamples], group: GroupConfig, pad_id: int) -> None:
