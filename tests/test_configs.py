@@ -12,6 +12,7 @@ from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.algorithms.distill import DistillConfig
 from posttrain.algorithms.dpo import DPORunConfig
 from posttrain.algorithms.grpo import GRPOConfig
+from posttrain.algorithms.ppo import PPOConfig
 from posttrain.algorithms.rm import RMRunConfig
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import load_config
@@ -49,6 +50,8 @@ def test_example_config_validates(path):
         if path.name.startswith("dpo")
         else DistillConfig
         if path.name.startswith("distill")
+        else PPOConfig
+        if path.name.startswith("ppo")
         else GRPOConfig
     )
     cfg = load_config(cls, path)
