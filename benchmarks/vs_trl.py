@@ -1,4 +1,5 @@
-"""GRPO end to end: posttrain's `run_grpo` vs TRL's `GRPOTrainer`, same model, task and settings.
+"""GRPO end to end: posttrain's `run_grpo` vs TRL's `GRPOTrainer`, same model, task and settings; then
+DPO step time, `run_dpo` vs TRL's `DPOTrainer` (_dpo_vs_trl.py, from the same warm start).
 
 Both sides start from the same SFT warm start of the tiny model (posttrain SFT on the demo's
 arithmetic task, a + b with operands 0..19, run once here) and train with the same prompts per step, generations per prompt, completion length,
@@ -331,26 +332,39 @@ SIDES = ("posttrain", "trl")
 TRAIN = {"posttrain": train_posttrain, "trl": train_trl}
 
 
+def _trainer(kind: str, side: str):
+    """The function that trains `side` in section `kind` (grpo: above; dpo: _dpo_vs_trl.py)."""
+    if kind == "dpo":
+        from _dpo_vs_trl import TRAIN as DPO_TRAIN
+
+        return DPO_TRAIN[side]
+    return TRAIN[side]
+
+
 def _side_main(
-    side: str, s: Setting, init: Path, out: Path, seed: int, gate: Lockstep, threads: int, results
+    side: str, s, init: Path, out: Path, seed: int, gate: Lockstep, threads: int, results, kind: str
 ) -> None:
     import torch
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     gate.me = SIDES.index(side)
-    result = TRAIN[side](s, init, out, seed, gate)
+    result = _trainer(kind, side)(s, init, out, seed, gate)
     results[side] = {**result, "process_s": time.perf_counter() - t0}
 
 
-def run_pair(s: Setting, init: Path, root: Path, seed: int, first: str, threads: int = 1) -> dict[str, dict]:
-    """One posttrain and one TRL run with `seed`, in lockstep; `first` takes the first step."""
+def run_pair(
+    s, init: Path, root: Path, seed: int, first: str, threads: int = 1, kind: str = "grpo"
+) -> dict[str, dict]:
+    """One posttrain and one TRL run of section `kind` with setting `s` and `seed`, in lockstep; `first`
+    takes the first step."""
     ctx = mp.get_context("spawn")
     gate = Lockstep(ctx, SIDES.index(first))
     with ctx.Manager() as manager:
         results = manager.dict()
         args = {
-            side: (side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results) for side in SIDES
+            side: (side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results, kind)
+            for side in SIDES
         }
         watch(start(ctx, {side: (_side_main, args[side]) for side in SIDES}), abort=gate.abort)
         missing = [side for side in SIDES if side not in results]
@@ -398,6 +412,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny setting, under a minute")
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every process")
+    ap.add_argument("--only", choices=["grpo", "dpo"], default=None, help="run one section (both by default)")
     args = ap.parse_args()
     require("trl", "datasets")  # before the warm start, not after it
     import torch
@@ -414,7 +429,7 @@ def main() -> None:
         print(
             f"warm start: {s.sft_steps} SFT steps in {time.perf_counter() - t0:.1f}s, heldout_acc={acc0:.3f}"
         )
-        for i, seed in enumerate(s.seeds):
+        for i, seed in enumerate(s.seeds if args.only != "dpo" else ()):
             results = run_pair(s, init, root, seed, first=SIDES[i % 2], threads=args.threads)
             for side in SIDES:
                 r = results[side]
@@ -427,6 +442,13 @@ def main() -> None:
                     f"process={r['process_s']:.1f}s reward first/last={r['rewards'][0]:.2f}/{r['rewards'][-1]:.2f} "
                     f"heldout_acc={acc:.3f}{phases}"
                 )
+        if args.only != "grpo":
+            from _dpo_vs_trl import dpo_section
+
+            dpo_speedup = dpo_section(args.quick, root, args.threads, run_pair)
+    if args.only == "dpo":
+        print(result_line("dpo_speedup_vs_trl", dpo_speedup, ">=1.5"))
+        return
     ours, trl = median(times["posttrain"]), median(times["trl"])
     acc_ours, acc_trl = (sum(accs[side]) / len(accs[side]) for side in SIDES)
     print(
@@ -439,6 +461,8 @@ def main() -> None:
     )
     print(result_line("grpo_speedup_vs_trl", trl / ours, ">=2"))
     print(result_line("heldout_acc_minus_trl", 100 * (acc_ours - acc_trl), ">=0"))
+    if args.only is None:
+        print(result_line("dpo_speedup_vs_trl", dpo_speedup, ">=1.5"))
 
 
 if __name__ == "__main__":

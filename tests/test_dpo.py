@@ -68,7 +68,7 @@ def test_a_bad_row_is_named(tmp_path):
     "over, message",
     [
         ({"policy": {"train_global_batch_size": 15}}, "train_global_batch_size=15 is odd"),
-        ({"policy": {"microbatch": {"mode": "packed"}}}, "policy.microbatch.mode='packed'"),
+        ({"policy": {"microbatch": {"train_micro_batch_size": 3}}}, "train_micro_batch_size=3 is odd"),
     ],
 )
 def test_settings_that_would_split_a_pair_are_refused(over, message):
@@ -99,3 +99,34 @@ def test_the_dpo_config_reaches_90_percent_held_out_from_the_demo_warm_start(tmp
     last = run_dpo(load_config(DPORunConfig, config, overrides))
     assert last["val_accuracy"] >= 0.9 and last["val_policy_accuracy"] >= 0.9
     assert last["val_policy_accuracy"] > last["val_policy_accuracy_at_start"] + 0.05
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "packed"])
+def test_dynamic_batching_and_packing_keep_pairs_whole_and_the_step_unchanged(tmp_path, mode):
+    """The same DPO run with fixed-size micro-batches and with `mode` (token budgets that cut the step's
+    pairs into several micro-batches): per-step metrics within 1e-5."""
+    fixed = run_dpo(cfg(tmp_path / "fixed", max_num_steps=3, val_period=3))
+    over = {"microbatch": {"mode": mode, "max_tokens": 40}}
+    other = cfg(tmp_path / mode, max_num_steps=3, val_period=3)
+    policy = other.policy.model_copy(
+        update={"microbatch": other.policy.microbatch.model_copy(update=over["microbatch"])}
+    )
+    got = run_dpo(other.model_copy(update={"policy": policy}))
+    a = [r for r in read_metrics(tmp_path / "fixed" / "metrics.jsonl") if "train/loss" in r]
+    b = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/loss" in r]
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("train/loss", "train/accuracy", "train/reward_margin", "train/grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), k
+    assert got["val_loss"] == pytest.approx(fixed["val_loss"], rel=1e-5)
+
+
+def test_a_pair_longer_than_the_token_budget_is_refused(tmp_path):
+    from posttrain.data.batch import batch_from_sequences
+    from posttrain.data.microbatch import make_microbatches
+
+    batch = batch_from_sequences([[1, 5, 6]] * 4, [[7, 8, 2], [9, 2], [7, 2], [9, 9, 9, 2]], 0)
+    for mode in ("dynamic", "packed"):
+        with pytest.raises(ValueError, match="raise it to at least"):
+            make_microbatches(batch, mode, max_tokens=8, row_group=2)
+    mbs = make_microbatches(batch, "packed", max_tokens=12, row_group=2)
+    assert sorted(mb.indices.tolist() for mb in mbs) == [[0, 1], [2, 3]]  # pairs together, in order

@@ -90,5 +90,25 @@ def test_a_language_model_head_is_refused_for_a_reward_model():
         build_config(RMRunConfig, {"policy": {"model": {"head": "lm"}}})
     cfg = build_config(RMRunConfig, {"policy": {"model": {"name": "runs/sft/hf"}}})
     assert cfg.policy.model.head == "score"  # a section naming another model keeps the reward-model head
-    with pytest.raises(ConfigError, match="policy.microbatch.mode='packed'"):
-        build_config(RMRunConfig, {"policy": {"microbatch": {"mode": "packed"}}})
+    packed = build_config(RMRunConfig, {"policy": {"microbatch": {"mode": "packed"}}})
+    assert packed.policy.microbatch.mode == "packed"  # packing keeps pairs whole (the loss's row_group)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "packed"])
+def test_a_bradley_terry_step_is_the_same_with_dynamic_batching_and_packing(mode):
+    from conftest import random_batch
+    from helpers import assert_params_close, policy_cfg
+    from posttrain.algorithms.losses import BradleyTerryLoss
+    from posttrain.policy.worker import PolicyWorker
+
+    def step(microbatch):
+        over = {"model": {"head": "score"}, "init_reference_model": False, "microbatch": microbatch}
+        over["optimizer"] = {"name": "torch.optim.SGD", "lr": 1.0}  # Adam would magnify float-order noise
+        worker = PolicyWorker(policy_cfg(**over))
+        return worker.train(random_batch(8, 16), BradleyTerryLoss()), worker.full_state_dict()
+
+    ref_metrics, ref_params = step({"train_micro_batch_size": 8})
+    metrics, params = step({"mode": mode, "max_tokens": 40})  # several micro-batches of whole pairs
+    for k in ("loss", "accuracy", "reward_margin", "grad_norm"):
+        assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-7), k
+    assert_params_close(ref_params, params)

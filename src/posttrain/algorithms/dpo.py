@@ -8,7 +8,8 @@ share whose implicit reward margin is positive) and loss; save a Hugging Face mo
 
 The loss is `DPOLoss` (algorithms/losses.py), under the normalization contract: each pair's loss is
 divided by the global number of pairs of the step, so micro-batch size and DP size do not change the
-step. Micro-batches must keep pairs whole, hence fixed-size micro-batches of an even number of rows.
+step. Micro-batches keep pairs whole: fixed-size ones of an even number of rows, dynamic batching and
+packing by cutting whole pairs (the loss's `row_group`).
 """
 
 from __future__ import annotations
@@ -49,17 +50,16 @@ def _default_policy() -> PolicyConfig:
 
 
 def check_pairs_stay_whole(p: PolicyConfig, what: str) -> None:
-    """Refuse micro-batching that could split a (chosen, rejected) pair over two micro-batches or ranks."""
-    if p.microbatch.mode != "fixed":
-        raise ValueError(
-            f"policy.microbatch.mode={p.microbatch.mode!r}: {what} keeps each pair's two rows in one "
-            "micro-batch, which only fixed-size micro-batches do yet; set policy.microbatch.mode=fixed"
-        )
-    for key, value in (
-        ("train_global_batch_size", p.train_global_batch_size),
-        ("microbatch.train_micro_batch_size", p.microbatch.train_micro_batch_size),
-        ("microbatch.logprob_micro_batch_size", p.microbatch.logprob_micro_batch_size),
-    ):
+    """Refuse batch sizes that would split a (chosen, rejected) pair over two micro-batches or ranks.
+    Dynamic batching and packing keep pairs whole themselves (the losses' `row_group`); fixed-size
+    micro-batches need even sizes."""
+    sizes = [("train_global_batch_size", p.train_global_batch_size)]
+    if p.microbatch.mode == "fixed":
+        sizes += [
+            ("microbatch.train_micro_batch_size", p.microbatch.train_micro_batch_size),
+            ("microbatch.logprob_micro_batch_size", p.microbatch.logprob_micro_batch_size),
+        ]
+    for key, value in sizes:
         if value % 2:
             raise ValueError(
                 f"policy.{key}={value} is odd: {what} rows come in (chosen, rejected) pairs; use an even number"

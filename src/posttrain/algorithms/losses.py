@@ -337,11 +337,12 @@ class DPOLoss:
     """DPO over rows laid out as (chosen, rejected) pairs: rows 2i and 2i+1 of every micro-batch.
 
     Sequence-level: the pair loss is summed and divided by the global number of pairs
-    (global_valid_seqs / 2), so pairs must be kept whole by the micro-batching (even sizes).
+    (global_valid_seqs / 2); the trainer keeps pairs whole in every micro-batching mode (`row_group`).
     """
 
     required_keys = ("reference_logprobs",)
     loss_type = LossType.SEQUENCE_LEVEL
+    row_group = 2  # rows 2i and 2i+1 stay in one micro-batch, in order, whatever the micro-batching
     metric_kinds: dict[str, MetricKind] = {
         "loss": "loss_type",
         "preference_loss": "seqs",
@@ -408,13 +409,13 @@ class BradleyTerryLoss:
     2i+1 of every micro-batch), where a row's reward is the scalar head's value at its last real token.
 
     Reads a score head's per-token values (`head = "score"`). Sequence-level: each pair's loss is divided
-    by the global number of pairs (global_valid_seqs / 2), so pairs must be kept whole by the
-    micro-batching (even sizes), as for DPO.
+    by the global number of pairs (global_valid_seqs / 2); pairs stay whole as for DPO (`row_group`).
     """
 
     head = "score"
     required_keys: tuple[str, ...] = ()
     loss_type = LossType.SEQUENCE_LEVEL
+    row_group = 2  # rows 2i and 2i+1 stay in one micro-batch, in order, whatever the micro-batching
     metric_kinds: dict[str, MetricKind] = {
         "loss": "loss_type",
         "accuracy": "seqs",

@@ -9,8 +9,8 @@ a Hugging Face directory at the end, loadable by `AutoModelForSequenceClassifica
 
 The loss is `BradleyTerryLoss` (algorithms/losses.py), -log sigmoid(r_chosen - r_rejected), where a
 row's reward is the head's value at its last real token, under the normalization contract: each pair's
-loss is divided by the global number of pairs of the step. Micro-batches must keep pairs whole, hence
-fixed-size micro-batches of an even number of rows.
+loss is divided by the global number of pairs of the step. Micro-batches keep pairs whole (fixed-size ones
+of an even number of rows; dynamic batching and packing cut whole pairs).
 """
 
 from __future__ import annotations

@@ -131,16 +131,35 @@ def _check_fits(lengths: list[int], budget: int, what: str) -> None:
         )
 
 
-def dynamic_microbatches(batch: TensorDict, max_tokens: int) -> list[MicroBatch]:
-    """Rows sorted by length, grouped so that rows x longest-row stays within `max_tokens`."""
+def _units(batch: TensorDict, row_group: int) -> list[list[int]]:
+    """The batch's rows as units of `row_group` consecutive rows that a cut keeps together, in order
+    (DPO's and a reward model's (chosen, rejected) pairs: row_group=2)."""
+    b = batch.batch_size[0]
+    if b % row_group:
+        raise ValueError(f"a batch of {b} rows does not split into groups of {row_group} rows")
+    return [list(range(s, s + row_group)) for s in range(0, b, row_group)]
+
+
+def dynamic_microbatches(batch: TensorDict, max_tokens: int, row_group: int = 1) -> list[MicroBatch]:
+    """Rows sorted by length, grouped so that rows x longest-row stays within `max_tokens`; with
+    `row_group` > 1, units of that many consecutive rows (sorted by their longest row) stay together and
+    in order."""
     lengths = batch["input_lengths"].tolist()
     _check_fits(lengths, max_tokens, "dynamic batching")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    units = _units(batch, row_group)
+    longest = [max(lengths[i] for i in u) for u in units]
+    if row_group > 1 and max(longest) * row_group > max_tokens:
+        raise ValueError(
+            f"{row_group} rows of {max(longest)} tokens (rows that train together, e.g. a preference "
+            f"pair) do not fit the dynamic batching budget of {max_tokens} tokens; raise it to at least "
+            f"{max(longest) * row_group}"
+        )
+    order = sorted(range(len(units)), key=lambda u: (longest[u], u))
     groups: list[list[int]] = [[]]
-    for i in order:
-        candidate = groups[-1] + [i]
-        if groups[-1] and len(candidate) * lengths[i] > max_tokens:
-            groups.append([i])
+    for u in order:
+        candidate = groups[-1] + units[u]
+        if groups[-1] and len(candidate) * longest[u] > max_tokens:
+            groups.append(list(units[u]))
         else:
             groups[-1] = candidate
     return [_take(batch, g) for g in groups]
@@ -183,23 +202,34 @@ def pack_rows(batch: TensorDict, idx: list[int], pad_id: int = 0) -> MicroBatch:
     return mb
 
 
-def packed_microbatches(batch: TensorDict, max_tokens: int, pad_id: int = 0) -> list[MicroBatch]:
-    """First-fit-decreasing packing of rows into single-row micro-batches of at most `max_tokens` tokens."""
+def packed_microbatches(
+    batch: TensorDict, max_tokens: int, pad_id: int = 0, row_group: int = 1
+) -> list[MicroBatch]:
+    """First-fit-decreasing packing of rows into single-row micro-batches of at most `max_tokens` tokens;
+    with `row_group` > 1, units of that many consecutive rows are packed together and in order."""
     lengths = batch["input_lengths"].tolist()
     _check_fits(lengths, max_tokens, "sequence packing")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    units = _units(batch, row_group)
+    sizes = [sum(lengths[i] for i in u) for u in units]
+    if max(sizes) > max_tokens:
+        raise ValueError(
+            f"{row_group} rows of {max(sizes)} tokens together (rows that train together, e.g. a "
+            f"preference pair) do not fit the sequence packing budget of {max_tokens} tokens; raise it to "
+            f"at least {max(sizes)}"
+        )
+    order = sorted(range(len(units)), key=lambda u: (-sizes[u], u))
     bins: list[list[int]] = []
     used: list[int] = []
-    for i in order:
-        for b, u in enumerate(used):
-            if u + lengths[i] <= max_tokens:
-                bins[b].append(i)
-                used[b] += lengths[i]
+    for u in order:
+        for b, filled in enumerate(used):
+            if filled + sizes[u] <= max_tokens:
+                bins[b].append(u)
+                used[b] += sizes[u]
                 break
         else:
-            bins.append([i])
-            used.append(lengths[i])
-    return [pack_rows(batch, sorted(b), pad_id) for b in bins]
+            bins.append([u])
+            used.append(sizes[u])
+    return [pack_rows(batch, [i for u in sorted(b) for i in units[u]], pad_id) for b in bins]
 
 
 def make_microbatches(
@@ -209,13 +239,22 @@ def make_microbatches(
     max_tokens: int = 0,
     pad_id: int = 0,
     share_prefix: bool = False,
+    row_group: int = 1,
 ) -> list[MicroBatch]:
     """Cut `batch` by `mode`: 'fixed' uses `size` rows, 'dynamic' and 'packed' use a `max_tokens` budget.
     With `share_prefix`, padded micro-batches whose rows share prompts get a shared-prefix plan when
-    it saves enough tokens (see `plan_shared_prefix`)."""
+    it saves enough tokens (see `plan_shared_prefix`). `row_group`: every `row_group` consecutive rows
+    stay in one micro-batch, in order (a loss over row pairs; fixed sizes must be multiples of it)."""
     if mode == "packed":
-        return packed_microbatches(batch, max_tokens, pad_id)
-    mbs = fixed_microbatches(batch, size) if mode == "fixed" else dynamic_microbatches(batch, max_tokens)
+        return packed_microbatches(batch, max_tokens, pad_id, row_group)
+    if mode == "fixed":
+        if size % row_group:
+            raise ValueError(
+                f"micro-batch size {size} would split groups of {row_group} rows; use a multiple"
+            )
+        mbs = fixed_microbatches(batch, size)
+    else:
+        mbs = dynamic_microbatches(batch, max_tokens, row_group)
     if share_prefix:
         for mb in mbs:
             mb.shared = plan_shared_prefix(mb.data, pad_id)

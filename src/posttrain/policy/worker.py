@@ -108,7 +108,9 @@ class PolicyWorker(ScalarHeadVerbs):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def _cut(self, batch: TensorDict, training: bool, share_prefix: bool = True) -> list[MicroBatch]:
+    def _cut(
+        self, batch: TensorDict, training: bool, share_prefix: bool = True, row_group: int = 1
+    ) -> list[MicroBatch]:
         mb = self.cfg.microbatch
         size = mb.train_micro_batch_size if training else mb.logprob_micro_batch_size
         return make_microbatches(
@@ -121,6 +123,7 @@ class PolicyWorker(ScalarHeadVerbs):
             and mb.share_prefix
             and not self.split.active
             and shares_prefix(self.model, self.cfg.model.head),
+            row_group=row_group,
         )
 
     def _model_to_device(self) -> None:
@@ -239,7 +242,8 @@ class PolicyWorker(ScalarHeadVerbs):
         self._run_microbatches(step, batch)
 
     def _run_microbatches(self, step: OpenStep, batch: TensorDict) -> None:
-        mbs = self._matched(self._cut(batch, training=True))
+        # a loss over row pairs (DPO, Bradley-Terry) declares `row_group = 2`: each pair stays in one micro-batch
+        mbs = self._matched(self._cut(batch, training=True, row_group=getattr(step.loss_fn, "row_group", 1)))
         was_training = self.model.training
         self._set_training(not step.eval_mode)
         try:
