@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.async_grpo.ledger import Selection
+from posttrain.algorithms.distill_core import DistillSettings
 from posttrain.algorithms.grpo_config import GRPOLoopConfig, GRPORunSections
 from posttrain.algorithms.losses import ClippedPGConfig
 from posttrain.config import Config
@@ -136,6 +137,11 @@ class AsyncGRPORunConfig(GRPORunSections):
     output_dir: str = Field(
         "runs/grpo_async", description="metrics.jsonl, curves.png, config.yaml and checkpoints/ go here"
     )
+    distill: DistillSettings | None = Field(
+        None,
+        description="on-policy distillation: a teacher's per-token reverse KL on the student's sampled "
+        "tokens is the advantage (algorithms/distill_core.py), computed on the trainer for every chunk",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AsyncGRPORunConfig:
@@ -144,6 +150,12 @@ class AsyncGRPORunConfig(GRPORunSections):
             if getattr(self.grpo, name) != getattr(defaults, name):
                 where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
                 raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
+        if self.distill is not None and self.grpo.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but distillation "
+                "learns from every group (its advantages come from the teacher): set "
+                "grpo.dynamic_sampling=false"
+            )
         return self
 
 

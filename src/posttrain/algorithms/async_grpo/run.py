@@ -45,6 +45,8 @@ from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunS
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointManager
+from posttrain.algorithms.distill_core import DistillSettings, teacher_advantages
+from posttrain.algorithms.distill_teacher import TeacherPolicy, check_same_vocabulary, teacher_config
 from posttrain.algorithms.losses import ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
@@ -181,6 +183,19 @@ class AsyncRun:
     resumed_step: int = 0
     resumed_metrics: dict[str, float] = field(default_factory=dict)  # the checkpoint's
     own_policy: bool = True
+    teacher: TeacherPolicy | None = None  # on-policy distillation's (cfg.distill)
+
+
+def distill_shape(policy: Policy, teacher: TeacherPolicy, settings: DistillSettings, skip_prev: bool):
+    """The trainer's `shape_fn` for on-policy distillation: each chunk's advantages from the teacher's
+    logprobs and the student's at the open step's weights (prev, or one more forward when the loss
+    takes prev from its own)."""
+
+    def shape(batch: Any) -> dict[str, float]:
+        student = policy.get_logprobs(batch) if skip_prev else batch["prev_logprobs"]
+        return teacher_advantages(policy, teacher, settings, batch, student, offload=False)
+
+    return shape
 
 
 def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
@@ -195,7 +210,7 @@ def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
         "loss",
         "num_steps",
     )
-    view = {k: dumped[k] for k in ("grpo", "sampling", "task", "env")}
+    view = {k: dumped[k] for k in ("grpo", "sampling", "task", "env", "distill")}
     return view | {"async_grpo": {k: a[k] for k in keys}, "policy": optimizer_view(cfg.policy)}
 
 
@@ -263,7 +278,17 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
     skip_prev = cfg.grpo.recompute_prev_logprobs == "auto"
     pad_id = pad_token_id(tokenizer)
-    trainer = ChunkedTrainer(policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev)
+    teacher = None
+    if cfg.distill is not None:
+        try:
+            check_same_vocabulary(cfg.policy, cfg.distill.teacher, cfg.distill.top_k)
+            teacher = TeacherPolicy(teacher_config(cfg.distill.teacher))
+        except BaseException:
+            if own_policy:
+                policy.shutdown()
+            raise
+    shape = distill_shape(policy, teacher, cfg.distill, skip_prev) if teacher is not None else None
+    trainer = ChunkedTrainer(policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev, shape_fn=shape)
     trainer.export_fn = export_fn(cfg, trainer, tokenizer)
     actors: list[Any] = []
     try:
@@ -275,6 +300,8 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
             workers = start_local_workers(worker_config(cfg), cfg.rollout.num_workers)
     except BaseException:
         trainer.close()
+        if teacher is not None:
+            teacher.shutdown()
         if own_policy:
             policy.shutdown()
         raise
@@ -296,6 +323,7 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     metrics = dict(extra.get("metrics", {})) if extra is not None else {}
     parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
     run = AsyncRun(*parts, actors=actors, resumed_step=step, resumed_metrics=metrics, own_policy=own_policy)
+    run.teacher = teacher
     try:
         _push_initial_weights(run)
     except BaseException:
@@ -400,6 +428,7 @@ async def train(
     async def on_step(step: int, metrics: dict[str, float]) -> None:
         metrics.pop("step", None)  # the log has its own
         metrics.update(run.stats.pop())
+        metrics.update(run.trainer.pop_chunk_metrics())  # distillation's, averaged over the chunks
         if run.validator is not None and loop.val_period and step % loop.val_period == 0:
             metrics.update(await run.trainer.call(validate_now, run))
         metrics_log.log(metrics, step)
@@ -483,6 +512,8 @@ def run_async_grpo(
 def close(run: AsyncRun) -> None:
     """Stop the policy thread and the rollout actors (and the policy, when the run built it)."""
     run.trainer.close()
+    if run.teacher is not None:
+        run.teacher.shutdown()
     if run.actors:
         import ray
 

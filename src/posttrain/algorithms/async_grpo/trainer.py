@@ -230,10 +230,16 @@ class ChunkedTrainer(PolicyTrainer):
         min_rows: int,
         reference: bool,
         prev: bool = True,
+        shape_fn: Callable[[Any], dict[str, float]] | None = None,
     ):
         super().__init__(policy)
         self.group, self.pad_id, self.min_rows, self.reference = group, pad_id, min_rows, reference
         self.prev = prev
+        # after the logprobs, rewrites a chunk's batch (its advantages; on-policy distillation) and returns
+        # metrics, averaged over a step's chunks by their trained tokens (`pop_chunk_metrics`)
+        self.shape_fn = shape_fn
+        self._chunk_sums: dict[str, float] = {}
+        self._chunk_weight = 0.0
         self._pending: list[GroupSamples] = []  # groups of the next chunk
         self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
 
@@ -243,8 +249,19 @@ class ChunkedTrainer(PolicyTrainer):
         return sum(not f.done() for f in self._queued) + bool(self._pending)
 
     def _train_chunk(self, groups: list[GroupSamples]) -> None:
-        batch = groups_to_batch(groups, self.group, self.pad_id)
-        self.policy.train_microbatch(self.add_logprobs(batch, self.reference, self.prev))
+        batch = self.add_logprobs(groups_to_batch(groups, self.group, self.pad_id), self.reference, self.prev)
+        if self.shape_fn is not None:
+            weight = float((batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum())
+            for key, value in self.shape_fn(batch).items():
+                self._chunk_sums[key] = self._chunk_sums.get(key, 0.0) + value * weight
+            self._chunk_weight += weight
+        self.policy.train_microbatch(batch)
+
+    def pop_chunk_metrics(self) -> dict[str, float]:
+        """The `shape_fn` metrics of the chunks trained since the last call, token-weighted means."""
+        sums, weight = self._chunk_sums, self._chunk_weight
+        self._chunk_sums, self._chunk_weight = {}, 0.0
+        return {k: v / weight for k, v in sums.items()} if weight > 0 else {}
 
     def _queue_chunk(self) -> None:
         chunk, self._pending = self._pending, []
