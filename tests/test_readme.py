@@ -35,6 +35,7 @@ SHORT = {  # command prefix -> overrides appended: as written these take minutes
     "posttrain demo": ["sft.max_num_steps=10", "grpo.grpo.max_num_steps=2", "grpo.grpo.val_period=2"],
     "posttrain grpo-async env.name=calculator": ["async_grpo.num_steps=2", "grpo.val_period=0"],
     "posttrain rm": ["max_num_steps=20", "val_period=10"],
+    "posttrain ppo": ["grpo.max_num_steps=3", "grpo.val_period=3"],
     "posttrain grpo env.name=custom": [
         "grpo.max_num_steps=1",
         "grpo.num_prompts_per_step=2",
