@@ -267,6 +267,12 @@ def test_bad_ppo_settings_are_refused_with_the_fix(tmp_path, overrides, message)
         ppo_cfg(tmp_path, *overrides)
 
 
+def test_a_critic_with_another_vocabulary_is_refused_before_weights_load(tmp_path):
+    cfg = ppo_cfg(tmp_path, "ppo.critic.model.tokenizer=tiny-chat")
+    with pytest.raises(ValueError, match="another vocabulary than the policy"):
+        run_ppo(cfg)
+
+
 def test_one_sample_per_prompt_is_allowed_for_ppo_only(tmp_path):
     cfg = ppo_cfg(tmp_path, "grpo.num_generations_per_prompt=1")
     assert cfg.grpo.num_generations_per_prompt == 1

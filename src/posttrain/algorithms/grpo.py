@@ -453,11 +453,14 @@ def time_shares_device(run: Run) -> bool:
 
 
 def colocated_generation_start(run: Run) -> None:
-    """Colocated: the trainer gives the device to the engine (and frees its communicators if asked)."""
+    """Colocated: the trainer (and its companions) give the device to the engine (and frees its
+    communicators if asked)."""
     if not run.cfg.colocated:
         return
     if time_shares_device(run):
         run.policy.offload_after_refit()
+        for other in run.companions.values():  # PPO's critic
+            other.offload_after_refit()
     if run.cfg.policy.free_comms_during_generation:
         run.policy.teardown_comms()
     run.engine.wake()

@@ -38,6 +38,7 @@ from posttrain.generation.sampler import derive_seed
 from posttrain.logging import get_logger
 from posttrain.models.scalar_head import action_values
 from posttrain.policy.config import ModelConfig, PolicyConfig
+from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.rollout.advantages import gae, masked_whiten, token_rewards
 
@@ -165,6 +166,8 @@ def run_ppo(cfg: PPOConfig, policy: Policy | None = None, critic: Policy | None 
     """Train with PPO; returns the final metrics (with the last held-out validation). The GRPO loop runs
     it, with `ppo_step` as its step and the critic as a checkpoint companion."""
     own = critic is None
+    if own:
+        check_critic_vocabulary(cfg)
     critic = critic or Policy(critic_config(cfg))
     try:
         return grpo.run_grpo(
@@ -173,6 +176,21 @@ def run_ppo(cfg: PPOConfig, policy: Policy | None = None, critic: Policy | None 
     finally:
         if own:
             critic.shutdown()
+
+
+def check_critic_vocabulary(cfg: PPOConfig) -> None:
+    """Refuse, before weights load, a critic whose tokenizer maps tokens to other ids than the policy's:
+    it reads the policy's token ids as they are."""
+    critic = critic_config(cfg).model
+    mine = cfg.policy.model
+    if (critic.name, critic.tokenizer, critic.tiny) == (mine.name, mine.tokenizer, mine.tiny):
+        return
+    if build_tokenizer(critic).get_vocab() != build_tokenizer(mine).get_vocab():
+        raise ValueError(
+            f"the critic '{critic.name}' has another vocabulary than the policy '{mine.name}': it reads the "
+            "policy's token ids as they are. Start it from the policy's model family (ppo.critic.model.name), "
+            "or set ppo.critic.model.tokenizer to the policy's tokenizer if it was trained with it"
+        )
 
 
 def ppo_step(run: grpo.Run, critic: Policy, settings: PPOSettings) -> dict[str, float]:

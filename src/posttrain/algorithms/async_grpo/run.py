@@ -278,47 +278,41 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
     skip_prev = cfg.grpo.recompute_prev_logprobs == "auto"
     pad_id = pad_token_id(tokenizer)
-    teacher = None
-    if cfg.distill is not None:
-        try:
+    teacher: TeacherPolicy | None = None
+    trainer: ChunkedTrainer | None = None
+    actors: list[Any] = []
+    try:  # whatever fails from here releases what was started (and the policy, when this run built it)
+        if cfg.distill is not None:
             check_same_vocabulary(cfg.policy, cfg.distill.teacher, cfg.distill.top_k)
             teacher = TeacherPolicy(teacher_config(cfg.distill.teacher))
-        except BaseException:
-            if own_policy:
-                policy.shutdown()
-            raise
-    shape = distill_shape(policy, teacher, cfg.distill, skip_prev) if teacher is not None else None
-    trainer = ChunkedTrainer(policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev, shape_fn=shape)
-    trainer.export_fn = export_fn(cfg, trainer, tokenizer)
-    actors: list[Any] = []
-    try:
+        shape = distill_shape(policy, teacher, cfg.distill, skip_prev) if teacher is not None else None
+        trainer = ChunkedTrainer(
+            policy, cfg.grpo, pad_id, chunk, reference, prev=not skip_prev, shape_fn=shape
+        )
+        trainer.export_fn = export_fn(cfg, trainer, tokenizer)
         if cfg.rollout.backend == "ray":
             from posttrain.rollout.ray_worker import start_ray_workers
 
             workers, actors = start_ray_workers(worker_config(cfg), cfg.rollout)
         else:
             workers = start_local_workers(worker_config(cfg), cfg.rollout.num_workers)
+        stats = StepStats()
+        controller = AsyncGRPOController(
+            cfg.async_grpo,
+            task.train.items,
+            workers,
+            trainer,
+            prepare_samples(cfg, trainer, stats),
+            build_loss(cfg, skip_prev),
+            samples_codec=SAMPLES_CODEC,
+            cursor=task.train.new_cursor(cfg.async_grpo.num_epochs),
+        )
+        if extra is not None:
+            controller.load_state_dict(extra["controller"])
+        validator = _build_validator(cfg, task, tokenizer)
     except BaseException:
-        trainer.close()
-        if teacher is not None:
-            teacher.shutdown()
-        if own_policy:
-            policy.shutdown()
+        _release(trainer, teacher, actors, policy if own_policy else None)
         raise
-    stats = StepStats()
-    controller = AsyncGRPOController(
-        cfg.async_grpo,
-        task.train.items,
-        workers,
-        trainer,
-        prepare_samples(cfg, trainer, stats),
-        build_loss(cfg, skip_prev),
-        samples_codec=SAMPLES_CODEC,
-        cursor=task.train.new_cursor(cfg.async_grpo.num_epochs),
-    )
-    if extra is not None:
-        controller.load_state_dict(extra["controller"])
-    validator = _build_validator(cfg, task, tokenizer)
     step = int(extra["step"]) if extra is not None else 0
     metrics = dict(extra.get("metrics", {})) if extra is not None else {}
     parts = (cfg, policy, trainer, task, workers, controller, ckpt, stats, validator)
@@ -511,13 +505,21 @@ def run_async_grpo(
 
 def close(run: AsyncRun) -> None:
     """Stop the policy thread and the rollout actors (and the policy, when the run built it)."""
-    run.trainer.close()
-    if run.teacher is not None:
-        run.teacher.shutdown()
-    if run.actors:
+    _release(run.trainer, run.teacher, run.actors, run.policy if run.own_policy else None)
+
+
+def _release(
+    trainer: ChunkedTrainer | None, teacher: TeacherPolicy | None, actors: list[Any], policy: Policy | None
+) -> None:
+    """Stop what a run started: the policy thread, the teacher, the Ray rollout actors, and `policy`."""
+    if trainer is not None:
+        trainer.close()
+    if teacher is not None:
+        teacher.shutdown()
+    if actors:
         import ray
 
-        for a in run.actors:
+        for a in actors:
             ray.kill(a)
-    if run.own_policy:
-        run.policy.shutdown()
+    if policy is not None:
+        policy.shutdown()

@@ -243,6 +243,10 @@ class ChunkedTrainer(PolicyTrainer):
         self._pending: list[GroupSamples] = []  # groups of the next chunk
         self._queued: list[asyncio.Future] = []  # chunks on the policy thread, not yet checked
 
+    def _begin(self, loss_fn: LossFn) -> None:
+        self._chunk_sums, self._chunk_weight = {}, 0.0  # an aborted step's chunks count for nothing
+        super()._begin(loss_fn)
+
     @property
     def queued_calls(self) -> int:
         """Chunks a finish or abort waits for first: those training or queued, and the pending one."""
