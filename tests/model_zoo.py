@@ -49,6 +49,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (model_type, config overrid
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     "gpt_oss": (
         "gpt_oss",
         {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, **_TWO_KINDS},

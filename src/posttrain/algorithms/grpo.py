@@ -249,6 +249,9 @@ def grpo_step(
         (logprobs_fn or add_logprobs)(run, batch)
     with run.timed("training"):
         train_metrics = (train_fn or train)(run, batch)
+    if run.cfg.policy.moe.routing_replay == "rollout":
+        routing = run.policy.pop_routing_stats()
+        train_metrics["moe/routing_disagreement"] = routing["differ"] / max(routing["total"], 1)
     with run.timed("weight_sync"):
         sync_metrics = sync_weights(run)
     metrics = {
@@ -275,6 +278,8 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
     check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
     gen_cfg = engine_config(cfg.generation, cfg.sampling, task)
+    if cfg.policy.moe.routing_replay == "rollout":  # the trainer replays the engine's MoE routing
+        gen_cfg = gen_cfg.model_copy(update={"record_routing": True})
     engine = GenerationEngine(engine_model(cfg.policy.model, cfg.policy.lora, tokenizer), tokenizer, gen_cfg)
     sync = probe_sync(cfg.weight_sync, engine.vocab_size, cfg.policy.dp_size)
     loss_cfg = with_completion_length(cfg.loss, cfg.sampling.max_new_tokens)

@@ -37,6 +37,7 @@ Mistral) the LM head applied by the engine: on CPU through a oneDNN-packed copy 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -51,6 +52,7 @@ from posttrain.generation.lean_decode import LeanDecoder
 from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
 from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
+from posttrain.generation.routing import RoutingLog
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
 from posttrain.generation.sessions import EngineSessions, PrefillBudget
 from posttrain.generation.stepper import AsyncStepping
@@ -59,6 +61,7 @@ from posttrain.generation.windows import WindowMasks, check_supported, prepare_a
 from posttrain.models.families import check_generation_support
 from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
+from posttrain.models.moe import routers
 
 __all__ = ["EngineStateError", "GenerationEngine"]
 
@@ -106,6 +109,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._sleeping = False
         self._released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]] = {}
         self._adapters = has_lora(self.model)
+        self._routing = RoutingLog(self.model) if self.cfg.record_routing and routers(self.model) else None
 
     def _build_slots(self) -> None:
         s, dev = self.cfg.max_num_seqs, self.device
@@ -381,7 +385,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
         self.cache.plan_prefill(n0, u, lengths)
         mask = self._masks.prefill(mask)
-        logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
+        with self._routing.prefill(firsts, chunk, width) if self._routing else contextlib.nullcontext():
+            logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
         self.num_prefill_tokens += sum(len(r.prompt) for r in firsts)
         if repeats:
             source = torch.tensor([distinct[tuple(r.prompt)] for r in chunk], device=self.device)
@@ -464,15 +469,19 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self.cache.plan_decode(n, pos, length)
         if self._lean is not None and self.cache.keys[0] is not None:
             logits = self._head(self._lean(self._last[:n], pos, mask, self.cache), self._shared)
-        elif self._body is not None:
-            logits = self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1], self._shared)
         else:
-            logits = self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
+            with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
+                logits = self._decode_logits(n, pos, mask)
         tokens, logprobs = sample(logits, self._rows, self._count[:n])
         self._last[:n] = tokens
         self._pos[:n] += 1
         self._count[:n] += 1
         return self._record(0, tokens, logprobs)
+
+    def _decode_logits(self, n: int, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._body is not None:
+            return self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1], self._shared)
+        return self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
 
     def _record(self, first_slot: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
         """Append drawn tokens to their requests (one host sync); release the slots that finished."""

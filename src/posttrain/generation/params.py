@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from pydantic import Field, field_validator
 
 from posttrain.config import Config
@@ -63,6 +64,11 @@ class GenerationConfig(Config):
         description="keep the keys/values of a finished request that names a session, and prefill only "
         "the new tokens of the session's next prompt when it extends them (multi-turn); "
         "False = store nothing, always prefill whole prompts",
+    )
+    record_routing: bool = Field(
+        False,
+        description="MoE models: return with each result the expert ids its tokens were routed to "
+        "(`GenerationResult.routing`), for the trainer's routing replay",
     )
     max_cached_sessions: int = Field(
         256,
@@ -148,6 +154,9 @@ class GenerationResult:
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     weight_version: int = 0
+    routing: torch.Tensor | None = (
+        None  # MoE, record_routing: [P + C - 1, L, k] int16 (generation/routing.py)
+    )
 
     @property
     def sequence(self) -> list[int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import torch
+
 from posttrain.generation.kv_cache import KVPrefix
 from posttrain.generation.params import FinishReason, GenerationResult, SamplingParams
 
@@ -32,6 +34,7 @@ class Request:
     weight_version: int = 0
     session: Hashable | None = None  # its keys/values are kept under this key when it finishes
     reuse: KVPrefix | None = None  # the session's stored prefix this prompt extends (set at admission)
+    routing: list | None = None  # MoE expert ids of the tokens fed so far (generation/routing.py)
 
     @property
     def position(self) -> int:
@@ -66,6 +69,7 @@ class Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             weight_version=self.weight_version,
+            routing=torch.cat(self.routing) if self.routing else None,
         )
 
 

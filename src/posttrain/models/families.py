@@ -34,6 +34,11 @@ class Support:
     notes: str = ""
 
 
+MOE = (
+    "mixture of experts (transformers' fused experts, one rank or data parallel; routing replay: "
+    "policy.moe.routing_replay); tensor and context parallelism: no plan for its experts yet"
+)
+
 SUPPORTED: dict[str, Support] = {
     "llama": Support(tensor_parallel=True, context_parallel=True, notes="also Llama-3 rope scaling"),
     "mistral": Support(tensor_parallel=True, context_parallel=True, notes=ENGINE_WINDOWS),
@@ -55,6 +60,9 @@ SUPPORTED: dict[str, Support] = {
         f"for its experts; context parallelism does not implement attention sinks (it gave wrong logprobs); "
         f"{ENGINE_WINDOWS}"
     ),
+    "qwen3_moe": Support(notes=MOE),
+    "mixtral": Support(notes=f"{MOE}; {ENGINE_WINDOWS}"),
+    "olmoe": Support(notes=MOE),
     "phi3": Support(context_parallel=True, notes="tensor parallelism: no colwise/rowwise plan (fused qkv)"),
     "olmo2": Support(context_parallel=True, notes="tensor parallelism: no colwise/rowwise plan"),
     "granite": Support(tensor_parallel=True, context_parallel=True),

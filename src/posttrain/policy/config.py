@@ -115,6 +115,17 @@ class ParallelConfig(Config):
         )
 
 
+class MoEConfig(Config):
+    """Mixture-of-experts options (models/moe.py); a dense model ignores them."""
+
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off",
+        description="rollout: the trainer routes every token the engine routed to the engine's experts "
+        "(recorded during generation), gate weights from its own router (which keeps its gradient), for "
+        "logprobs and training; off: the trainer's router decides",
+    )
+
+
 class PolicyConfig(Config):
     """The trainer of one model over one or many ranks."""
 
@@ -141,6 +152,7 @@ class PolicyConfig(Config):
         description="reference logprobs available: a copy of the initial weights on CPU, or, with lora, "
         "the same model with its adapters disabled (no copy)",
     )
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     free_comms_during_generation: bool = Field(
         False,
         description="colocated loop: teardown_comms() after offload, rebuild_comms() before the next "
@@ -181,6 +193,13 @@ class PolicyConfig(Config):
                 "different inputs of one replicated adapter. Set policy.lora.dropout=0"
             )
         self._check_score_head()
+        split = self.parallel.tensor_parallel_size * self.parallel.context_parallel_size
+        if self.moe.routing_replay != "off" and split > 1:
+            raise ValueError(
+                "policy.moe.routing_replay=rollout with tensor or context parallelism: replay follows the "
+                "tokens of an unsplit model call; use tensor_parallel_size=1 and context_parallel_size=1 "
+                "(data parallelism works)"
+            )
         if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
             warnings.warn(
                 "parallel.sequence_parallel=true has no effect with tensor_parallel_size=1; ignored",

@@ -186,6 +186,14 @@ class Policy:
         """[B] each row's score at its last real token (`model.head=score`: a reward model)."""
         return self._gather("score", batch)
 
+    @verb(*ON_DEVICE)
+    def pop_routing_stats(self) -> dict[str, int]:
+        """MoE routing replay since the last call: decisions replayed (`total`) and those the trainer's own
+        router would have made differently (`differ`), over the data-parallel ranks; resets them."""
+        per_rank = self.group.run("pop_routing_stats")
+        ranks = self.dims.dp_leaders()
+        return {k: sum(per_rank[r][k] for r in ranks) for k in ("differ", "total")}
+
     @verb(*ON_DEVICE, collective=True)
     def get_topk_logits(self, batch: TensorDict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T, k] values, [B, T, k] token ids) of the top-k logits."""

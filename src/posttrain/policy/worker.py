@@ -47,6 +47,7 @@ from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
+from posttrain.policy.moe_verbs import RoutingVerbs
 from posttrain.policy.optim import build_optimizer, build_scheduler, set_base_lr
 from posttrain.policy.scalar_verbs import ScalarHeadVerbs
 from posttrain.policy.train_step import (
@@ -60,7 +61,7 @@ from posttrain.policy.train_step import (
 log = get_logger(__name__)
 
 
-class PolicyWorker(ScalarHeadVerbs):
+class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     """One rank of the trainer. See the module docstring."""
 
     def __init__(
@@ -122,6 +123,7 @@ class PolicyWorker(ScalarHeadVerbs):
             share_prefix=share_prefix
             and mb.share_prefix
             and not self.split.active
+            and not self._replays(batch)
             and shares_prefix(self.model, self.cfg.model.head),
             row_group=row_group,
         )
@@ -255,7 +257,7 @@ class PolicyWorker(ScalarHeadVerbs):
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
         grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
-        with grad_ctx, self._autocast():
+        with grad_ctx, self._autocast(), self._replay(mb):
             outputs = model_outputs(
                 self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
             )
@@ -370,7 +372,8 @@ class PolicyWorker(ScalarHeadVerbs):
         try:
             with torch.no_grad(), self._autocast():
                 for mb in mbs:
-                    res = fn(mb.to(self.device))
+                    with self._replay(mb):
+                        res = fn(mb.to(self.device))
                     if not mb.is_dummy:
                         out.append((mb, res))
         finally:

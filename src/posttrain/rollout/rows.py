@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from posttrain.data.batch import batch_from_sequences, completion_values, make_batch
 from posttrain.generation.params import GenerationResult
+from posttrain.models.moe import NO_RECORD
 from posttrain.rollout.advantages import group_advantages
 from posttrain.rollout.config import GroupConfig
 from posttrain.rollout.contracts import SamplesCodec
@@ -68,11 +69,26 @@ def samples_to_batch(
         [r.prompt_token_ids for r in results], [r.token_ids for r in results], pad_id, mask.tolist(), masks
     )
     batch["generation_logprobs"] = completion_values(batch, (_sampled(r) for r in results))
+    if any(getattr(r, "routing", None) is not None for r in results):
+        batch["routing"] = routing_rows(
+            [getattr(r, "routing", None) for r in results], batch["input_ids"].shape[1]
+        )
     batch["advantages"] = adv[:, None] * batch["token_mask"]
     clean = torch.where(failed, torch.zeros_like(rewards), rewards.float())  # a failed reward is NaN
     batch["rewards"] = torch.cat([clean, torch.zeros(pad)]) * mask
     metrics = {"advantage_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))}
     return batch, metrics
+
+
+def routing_rows(routing: list[torch.Tensor | None], width: int) -> torch.Tensor:
+    """[B, width, L, k] the engine's recorded expert ids of each row (generation/routing.py), NO_RECORD
+    where there is none (the last token, padding, a row without a record)."""
+    shape = next(r.shape[1:] for r in routing if r is not None)
+    out = torch.full((len(routing), width, *shape), NO_RECORD, dtype=torch.int16)
+    for i, r in enumerate(routing):
+        if r is not None:
+            out[i, : r.shape[0]] = r
+    return out
 
 
 def _sampled(r: GenerationResult | Trajectory) -> list[float]:
@@ -155,6 +171,8 @@ def groups_to_batch(groups: list[GroupSamples], group: GroupConfig, pad_id: int)
 def _encode(s: GroupSamples) -> dict[str, Any]:
     out = asdict(replace(s, rows=None))  # the rows are rebuilt from the results after a resume
     del out["rows"]
+    for r in out["results"]:
+        r.pop("routing", None)  # MoE expert ids are not kept across a checkpoint
     out["rewards"] = [None if f else r for r, f in zip(s.rewards, s.failed)]
     for r in out["results"]:
         if "mask" in r and not math.isfinite(r["reward"]):  # a failed trajectory

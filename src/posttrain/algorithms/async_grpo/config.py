@@ -150,6 +150,11 @@ class AsyncGRPORunConfig(GRPORunSections):
             if getattr(self.grpo, name) != getattr(defaults, name):
                 where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
                 raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
+        if self.policy.moe.routing_replay != "off":
+            raise ValueError(
+                "policy.moe.routing_replay=rollout is not in the asynchronous loop yet (its rows do not carry "
+                "the engine's routing); use `posttrain grpo`, or set policy.moe.routing_replay=off"
+            )
         if self.distill is not None and self.grpo.dynamic_sampling:
             raise ValueError(
                 "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but distillation "
