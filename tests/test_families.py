@@ -94,7 +94,9 @@ def test_cli_grpo_refuses_an_unsupported_family_in_one_message(model_type, tmp_p
 
 
 def test_an_unknown_model_type_is_refused_as_unverified_or_by_its_architecture():
-    with pytest.raises(ValueError, match="'qwen2_moe' is not supported for training: it has not been verified"):
+    with pytest.raises(
+        ValueError, match="'qwen2_moe' is not supported for training: it has not been verified"
+    ):
         family_support(AutoConfig.for_model("qwen2_moe", **SHAPE))
     with pytest.raises(ValueError, match="encoder-decoder"):
         family_support(AutoConfig.for_model("t5"))

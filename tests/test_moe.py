@@ -220,7 +220,9 @@ def test_a_grpo_run_with_routing_replay_trains_and_logs_the_disagreement(tmp_pat
 
 
 def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):
-    with pytest.raises(ValueError, match="routing_replay=rollout with tensor or context parallelism"):
+    with pytest.raises(
+        ValueError, match="routing_replay=rollout \\(or a router loss\\) with tensor or context parallelism"
+    ):
         PolicyConfig(
             moe={"routing_replay": "rollout"},
             parallel={"tensor_parallel_size": 2},
@@ -232,3 +234,46 @@ def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):
     with pytest.raises(ConfigError, match="not in the asynchronous loop yet"):
         small_async_grpo_cfg(tmp_path, "policy.moe.routing_replay=rollout")
     assert set(MOE_FAMILIES) <= set(FAMILIES)
+
+
+def direct_router_losses(model, batch) -> tuple[float, float]:
+    """The per-sequence balance and z losses from a plain transformers forward of each row alone, weighted
+    by the row's trained tokens (the token-level loss's weighting), averaged over those tokens."""
+    aux_sum = z_sum = weight = 0.0
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["input_lengths"][i])
+        with torch.no_grad(), moe.capture_router_outputs(model) as layers:
+            model(input_ids=batch["input_ids"][i : i + 1, :n])
+        aux = z = 0.0
+        for logits, ids in layers:
+            probs = torch.softmax(logits.float(), -1)
+            e, k = probs.shape[-1], ids.shape[-1]
+            f = torch.stack([(ids == j).sum() for j in range(e)]).float() / (n * k)
+            aux += float(e * (f * probs.mean(0)).sum())
+            z += float(torch.logsumexp(logits.float(), -1).square().mean())
+        w = float(batch["token_mask"][i, 1:].sum() * batch["sample_mask"][i])
+        aux_sum += w * aux / len(layers)
+        z_sum += w * z / len(layers)
+        weight += w
+    return aux_sum / weight, z_sum / weight
+
+
+@pytest.mark.parametrize("mode", ["fixed", "packed"])
+def test_router_losses_equal_a_direct_computation_and_join_the_loss(tmp_path, mode):
+    from conftest import random_batch
+    from posttrain.algorithms.losses import ClippedPGLoss
+
+    path = saved_moe(tmp_path)
+    batch = random_batch(8, 14, rl=True)
+    micro = {"train_micro_batch_size": 2} if mode == "fixed" else {"mode": "packed", "max_tokens": 30}
+    plain = Policy(policy_cfg(model={"name": str(path)}, microbatch=micro))
+    base = plain.train(batch, ClippedPGLoss())  # the loss at the starting weights
+    plain.shutdown()
+    moe_cfg = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+    with_losses = Policy(policy_cfg(model={"name": str(path)}, microbatch=micro, moe=moe_cfg))
+    want_aux, want_z = direct_router_losses(with_losses.group.workers[0].model, batch)
+    got = with_losses.train(batch, ClippedPGLoss())
+    with_losses.shutdown()
+    assert got["moe_aux_loss"] == pytest.approx(want_aux, rel=1e-5) and want_aux > 0.5
+    assert got["moe_z_loss"] == pytest.approx(want_z, rel=1e-5)
+    assert got["loss"] == pytest.approx(base["loss"] + 0.1 * want_aux + 0.01 * want_z, rel=1e-5)

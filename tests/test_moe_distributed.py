@@ -1,6 +1,6 @@
 """One MoE optimizer step (Qwen3-MoE, tiny) on dp=2 (FSDP2, the fused expert tensors sharded like any
-parameter) equals one rank, with and without routing replay (1e-5 fp32, gloo ranks in spawned
-processes)."""
+parameter) equals one rank, with and without routing replay, and with the per-sequence router losses
+(1e-5 fp32, gloo ranks in spawned processes)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,17 @@ from posttrain.policy.worker import PolicyWorker
 SGD = {"name": "torch.optim.SGD", "lr": 1.0}
 
 
+ROUTER_LOSSES = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+
+
 def _cfg(path: str, replay: str, **over):
+    moe = ROUTER_LOSSES if replay == "router_losses" else {"routing_replay": replay}
     return policy_cfg(
         model={"name": path},
         optimizer=SGD,
         init_reference_model=False,
         microbatch={"train_micro_batch_size": 2, "logprob_micro_batch_size": 2},
-        moe={"routing_replay": replay},
+        moe=moe,
         **over,
     )
 
@@ -56,12 +60,16 @@ def _on_ranks(rank: int, world: int, port: int, path: str, replay: str) -> dict 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("replay", ["off", "rollout"])
+@pytest.mark.parametrize("replay", ["off", "rollout", "router_losses"])
 def test_a_moe_step_is_the_same_on_one_rank_and_dp2(tmp_path, replay):
     path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
     ref = _outcome(PolicyWorker(_cfg(path, replay)), _batch(replay))
     results = run_ranks(2, _on_ranks, path, replay)
-    for k in ("loss", "pg_loss", "grad_norm", "global_valid_toks"):
+    keys = ("loss", "pg_loss", "grad_norm", "global_valid_toks")
+    if replay == "router_losses":
+        keys += ("moe_aux_loss", "moe_z_loss")
+        assert ref["metrics"]["moe_aux_loss"] > 0.5
+    for k in keys:
         assert results[0]["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), k
     assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
     if replay == "rollout":  # every rank replayed its half of the recorded decisions

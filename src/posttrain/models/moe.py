@@ -117,3 +117,48 @@ def microbatch_routing(data: Any, packed: Any = None) -> torch.Tensor:
     if packed is None:
         return routing.reshape(-1, *routing.shape[2:])
     return torch.cat([routing[i, :n] for i, n in enumerate(packed.lengths)])
+
+
+@contextlib.contextmanager
+def capture_router_outputs(model: torch.nn.Module):
+    """Yields a list that receives, for the model's forward during the block, each MoE layer's router
+    (logits [N, E], expert ids [N, k]) in layer order (the ids a replay chose, when it runs inside)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(module, args, output):
+        out.append((output[0], output[2]))
+
+    handles = [r.register_forward_hook(keep) for r in routers(model)]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def router_losses(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], segment: torch.Tensor, keep: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence [count]: the load-balancing loss E x sum_i f_i P_i and the z-loss mean_t lse_t^2,
+    each averaged over the MoE layers. `layers`: router (logits [N, E], ids [N, k]) of one model call;
+    `segment` [N]: each token's sequence (0..count-1); `keep` [N]: the tokens that count (not padding)."""
+    seg = segment[keep]
+    n = torch.zeros(count, device=seg.device).index_add_(0, seg, torch.ones_like(seg, dtype=torch.float32))
+    n = n.clamp(min=1)
+    aux = torch.zeros(count, device=seg.device)
+    z = torch.zeros(count, device=seg.device)
+    for logits, ids in layers:
+        logits, ids = logits[keep].float(), ids[keep].long()
+        e, k = logits.shape[-1], ids.shape[-1]
+        probs = torch.softmax(logits, dim=-1)
+        with torch.no_grad():
+            f = torch.zeros(count, e, device=seg.device)
+            f.index_put_(
+                (seg[:, None].expand_as(ids), ids), torch.ones_like(ids, dtype=f.dtype), accumulate=True
+            )
+            f = f / (n[:, None] * k)
+        mean_p = torch.zeros(count, e, device=seg.device).index_add_(0, seg, probs) / n[:, None]
+        aux = aux + e * (f * mean_p).sum(-1)
+        lse = torch.logsumexp(logits, dim=-1).square()
+        z = z + torch.zeros(count, device=seg.device).index_add_(0, seg, lse) / n
+    return aux / max(len(layers), 1), z / max(len(layers), 1)

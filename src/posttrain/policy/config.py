@@ -124,6 +124,22 @@ class MoEConfig(Config):
         "(recorded during generation), gate weights from its own router (which keeps its gradient), for "
         "logprobs and training; off: the trainer's router decides",
     )
+    aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the load-balancing loss, per sequence (DeepSeek-V3's sequence-wise form): "
+        "E x sum_i f_i P_i over each sequence's tokens (f_i: share of its expert slots routed to expert i, "
+        "P_i: its mean router probability), averaged over MoE layers, weighted like the loss "
+        "(logged as train/moe_aux_loss); 0 = off",
+    )
+    z_loss_coef: float = Field(
+        0.0, ge=0, description="weight of the router z-loss, mean of logsumexp(router logits)^2 (0 = off)"
+    )
+
+    @property
+    def shapes_calls(self) -> bool:
+        """Whether the MoE options need plain model calls (no shared-prefix plans, no sequence split)."""
+        return self.routing_replay != "off" or self.aux_loss_coef > 0 or self.z_loss_coef > 0
 
 
 class PolicyConfig(Config):
@@ -194,11 +210,11 @@ class PolicyConfig(Config):
             )
         self._check_score_head()
         split = self.parallel.tensor_parallel_size * self.parallel.context_parallel_size
-        if self.moe.routing_replay != "off" and split > 1:
+        if self.moe.shapes_calls and split > 1:
             raise ValueError(
-                "policy.moe.routing_replay=rollout with tensor or context parallelism: replay follows the "
-                "tokens of an unsplit model call; use tensor_parallel_size=1 and context_parallel_size=1 "
-                "(data parallelism works)"
+                "policy.moe.routing_replay=rollout (or a router loss) with tensor or context parallelism: "
+                "they follow the tokens of an unsplit model call; use tensor_parallel_size=1 and "
+                "context_parallel_size=1 (data parallelism works)"
             )
         if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
             warnings.warn(

@@ -232,7 +232,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             )
         check_loss_head(loss_fn, self.cfg.model.head)
         self.optimizer.zero_grad(set_to_none=True)
-        self._step = OpenStep(loss_fn, eval_mode, self.device)
+        self._step = OpenStep(self._with_router_losses(loss_fn), eval_mode, self.device)
         self.lifecycle.step_open = True
 
     @verb(*TRAIN_ONLY, collective=True, in_step=True)
@@ -257,7 +257,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
         grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
-        with grad_ctx, self._autocast(), self._replay(mb):
+        with grad_ctx, self._autocast(), self._replay(mb, step.loss_fn):
             outputs = model_outputs(
                 self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
             )
