@@ -25,7 +25,7 @@ from posttrain.tokenizer_files import save_tokenizer
 
 log = get_logger(__name__)
 
-TinyFamily = Literal["llama", "qwen2", "qwen3", "mistral", "gemma"]
+TinyFamily = Literal["llama", "qwen2", "qwen3", "mistral", "gemma", "qwen3_moe"]
 
 
 class TinyModelConfig(Config):
@@ -41,6 +41,13 @@ class TinyModelConfig(Config):
     tie_word_embeddings: bool = False
     sliding_window: int | None = Field(
         None, ge=1, description="attention window in tokens (Mistral/Qwen2-style models); None: full"
+    )
+    num_experts: int = Field(8, ge=2, description="qwen3_moe: experts per MoE layer")
+    num_experts_per_tok: int = Field(2, ge=1, description="qwen3_moe: experts each token is routed to")
+    moe_intermediate_size: int = Field(
+        64,
+        ge=1,
+        description="qwen3_moe: each expert's hidden size (active MLP size: this x experts per token)",
     )
 
 
@@ -58,10 +65,27 @@ def tiny_config(vocab_size: int, cfg: TinyModelConfig | None = None, **overrides
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
         **({"sliding_window": cfg.sliding_window} if cfg.sliding_window is not None else {}),
+        **_family_shape(cfg),
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def _family_shape(cfg: TinyModelConfig) -> dict:
+    """Family-specific shape keys of Qwen3-MoE: its experts (every layer sparse) and a head size that
+    follows the hidden size (transformers' default is 128)."""
+    out: dict = {}
+    if cfg.family == "qwen3_moe":
+        out |= {
+            "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        }
+    return out
 
 
 def build_tiny_model(vocab_size: int, seed: int = 0, cfg: TinyModelConfig | None = None, **overrides):
