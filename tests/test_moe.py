@@ -290,3 +290,23 @@ def test_the_moe_demo_config_gains_25_points(tmp_path):
     overrides = [f"output_dir={tmp_path}", "grpo.grpo.max_num_steps=300", "grpo.logging.progress_bar=false"]
     result = run_demo(load_config(DemoConfig, "configs/grpo_arithmetic_moe.yaml", overrides))
     assert result["gain_points"] >= 25, result
+
+
+def test_expert_parallel_layouts_and_models_it_cannot_shard_are_refused():
+    from posttrain.parallel.dims import ParallelDims
+    from posttrain.parallel.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ValueError, match="expert_parallel_size=2 \\(the data-parallel size\\)"):
+        ParallelDims(4, ep=4, tp=2)
+    with pytest.raises(ValueError, match="use tensor_parallel_size=1"):
+        ParallelDims(4, ep=2)  # dp=4: the experts would have to be sharded over all four
+    ParallelDims(2, ep=2)
+    with pytest.raises(ValueError, match="does not divide the 4 experts"):
+        check_expert_parallel(tiny_moe("qwen3_moe"), 3)
+    with pytest.raises(ValueError, match="another weight layout \\(gpt-oss\\)"):
+        check_expert_parallel(tiny_moe("gpt_oss"), 2)
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_config(family_config("llama", len(TOK)))
+    with pytest.raises(ValueError, match="has no fused MoE experts"):
+        check_expert_parallel(dense, 2)

@@ -1,6 +1,8 @@
 """One MoE optimizer step (Qwen3-MoE, tiny) on dp=2 (FSDP2, the fused expert tensors sharded like any
-parameter) equals one rank, with and without routing replay, and with the per-sequence router losses
-(1e-5 fp32, gloo ranks in spawned processes)."""
+parameter) and on ep=2 (expert parallelism: each rank holds half the experts, tokens reach them by
+all-to-all) equals one rank, with and without routing replay, and with the per-sequence router losses:
+logprobs before the step, metrics and weights after it (1e-5 fp32, gloo ranks in spawned processes).
+An ep=2 checkpoint resumes on one rank with the same weights."""
 
 from __future__ import annotations
 
@@ -46,25 +48,38 @@ def _batch(replay: str):
 
 
 def _outcome(worker: PolicyWorker, batch) -> dict:
+    logprobs = worker.get_logprobs(batch)
     metrics = worker.train(batch, ClippedPGLoss())
-    return {"metrics": metrics, "params": worker.full_state_dict(), "routing": worker.pop_routing_stats()}
+    routing = worker.pop_routing_stats()
+    return {"metrics": metrics, "params": worker.full_state_dict(), "routing": routing, "logprobs": logprobs}
 
 
-def _on_ranks(rank: int, world: int, port: int, path: str, replay: str) -> dict | None:
+def _on_ranks(rank: int, world: int, port: int, path: str, replay: str, ep: int, ckpt: str | None):
     cfg = _cfg(path, replay, cluster={"backend": "ray", "num_workers": world})
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"expert_parallel_size": ep})})
     worker = PolicyWorker(cfg, rank=rank, world_size=world, master_port=port)
     shard = shard_batch(_batch(replay), worker.dims.dp)[worker.dims.dp_index(rank)]
     result = _outcome(worker, shard)
+    experts = worker.model.model.layers[0].mlp.experts.gate_up_proj
+    result["local_experts"] = experts.to_local().shape[0] if ep > 1 else None
+    if ckpt is not None:
+        worker.save_checkpoint(ckpt)
     worker.teardown_comms()
     return result
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("ep", [1, 2], ids=["dp2", "ep2"])
 @pytest.mark.parametrize("replay", ["off", "rollout", "router_losses"])
-def test_a_moe_step_is_the_same_on_one_rank_and_dp2(tmp_path, replay):
+def test_a_moe_step_is_the_same_on_one_rank_dp2_and_ep2(tmp_path, replay, ep):
     path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
     ref = _outcome(PolicyWorker(_cfg(path, replay)), _batch(replay))
-    results = run_ranks(2, _on_ranks, path, replay)
+    ckpt = str(tmp_path / "ckpt") if ep == 2 and replay == "off" else None
+    results = run_ranks(2, _on_ranks, path, replay, ep, ckpt)
+    if ep == 2:  # each rank holds 2 of the 4 experts whole
+        assert [r["local_experts"] for r in results] == [2, 2]
+    got_lp = torch.cat([r["logprobs"] for r in results])
+    torch.testing.assert_close(got_lp, ref["logprobs"], rtol=0, atol=1e-5)
     keys = ("loss", "pg_loss", "grad_norm", "global_valid_toks")
     if replay == "router_losses":
         keys += ("moe_aux_loss", "moe_z_loss")
@@ -74,3 +89,7 @@ def test_a_moe_step_is_the_same_on_one_rank_and_dp2(tmp_path, replay):
     assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
     if replay == "rollout":  # every rank replayed its half of the recorded decisions
         assert ref["routing"]["total"] == sum(r["routing"]["total"] for r in results) > 0
+    if ckpt is not None:  # the ep=2 checkpoint (experts sharded over the ranks) resumes on one rank
+        one = PolicyWorker(_cfg(path, replay))
+        one.load_checkpoint(ckpt)
+        assert_params_close(results[0]["params"], one.full_state_dict(), rtol=0, atol=0)

@@ -35,6 +35,7 @@ class ParallelDims:
     sequence_parallel: bool = False
     fsdp: FsdpMode = "auto"
     cpu_offload: bool = False
+    ep: int = 1  # expert parallelism: experts sharded over the dp ranks (parallel/expert_parallel.py)
     meshes: pmesh.Meshes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,13 @@ class ParallelDims:
             )
         if self.world > 1 and self.fsdp == "never":
             raise ValueError("parallel.fsdp='never' needs a single rank; use fsdp='auto' for several ranks")
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1 or self.ep != self.dp):
+            raise ValueError(
+                f"expert_parallel_size={self.ep} with tensor_parallel_size={self.tp}, context_parallel_size="
+                f"{self.cp} over {self.world} ranks: expert parallelism shards the experts over all "
+                f"data-parallel ranks; use tensor_parallel_size=1, context_parallel_size=1 and "
+                f"expert_parallel_size={self.world // (self.tp * self.cp)} (the data-parallel size), or 1"
+            )
 
     # ------------------------------------------------------------------ sizes and derived facts
 

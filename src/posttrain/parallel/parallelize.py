@@ -2,7 +2,8 @@
 
 In order (torchtitan style): tensor parallelism with its plan and sequence parallelism
 (parallel/tensor_parallel.py), activation checkpointing, the context-parallel attention
-(models/context_parallel.py), and FSDP2 over the flattened (dp, cp) mesh, with mixed precision and the
+(models/context_parallel.py), expert parallelism (parallel/expert_parallel.py), and FSDP2 over the
+flattened (dp, cp) mesh (the experts excluded when they are expert-parallel), with mixed precision and the
 CPU-offload policy. Under FSDP2 the model is expected on the meta device (materialize and load it after);
 without FSDP2 (one rank) only activation checkpointing applies.
 """
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from posttrain.models.context_parallel import register_attention
 from posttrain.parallel.dims import ParallelDims
+from posttrain.parallel.expert_parallel import apply_ep
 from posttrain.parallel.mesh import decoder_layers
 from posttrain.parallel.tensor_parallel import apply_tp, check_parallel_support
 
@@ -38,8 +40,9 @@ def parallelize(
         apply_activation_checkpointing(model)
     if meshes is not None and meshes.cp is not None:
         model.set_attn_implementation(register_attention())
+    ignored = apply_ep(model, meshes.fsdp) if meshes is not None and dims.ep > 1 else set()
     if meshes is not None:
-        apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=dims.cpu_offload)
+        apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=dims.cpu_offload, ignored=ignored)
     return model
 
 
@@ -49,6 +52,7 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    ignored: set[torch.nn.Parameter] | None = None,
 ) -> torch.nn.Module:
     """FSDP2 per decoder layer, then the root; gradients are summed (not averaged) over DP ranks.
 
@@ -57,6 +61,8 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
+    if ignored:  # expert-parallel experts: sharded by parallel/expert_parallel.py, not by FSDP2
+        kwargs["ignored_params"] = ignored
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     sharded = [*decoder_layers(model), model]

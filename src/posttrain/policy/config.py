@@ -101,6 +101,12 @@ class ParallelConfig(Config):
     context_parallel_size: int = Field(
         1, ge=1, description="ranks that split each sequence (attention all-gathers keys/values)"
     )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="MoE models: ranks over which each layer's experts are sharded, tokens reaching "
+        "theirs by all-to-all; must equal the data-parallel size (tp = cp = 1) and divide the experts",
+    )
 
     def dims(self, world: int) -> ParallelDims:
         """This layout over `world` ranks (ValueError when tp x cp does not divide it, or fsdp='never'
@@ -112,6 +118,7 @@ class ParallelConfig(Config):
             sequence_parallel=self.sequence_parallel,
             fsdp=self.fsdp,
             cpu_offload=self.fsdp_cpu_offload,
+            ep=self.expert_parallel_size,
         )
 
 
