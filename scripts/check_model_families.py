@@ -66,6 +66,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral_window": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    ),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
     "gpt_oss": (
         "gpt_oss",
         {
