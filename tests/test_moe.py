@@ -19,7 +19,6 @@ import torch
 from helpers import policy_cfg, small_grpo_cfg
 from model_zoo import FAMILIES, family_config, save_family_model
 from posttrain.algorithms import grpo
-from posttrain.config import ConfigError
 from posttrain.data.batch import make_batch
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, SamplingParams
@@ -215,6 +214,7 @@ def test_a_grpo_run_with_routing_replay_trains_and_logs_the_disagreement(tmp_pat
     run = grpo.setup(cfg, None)
     metrics = grpo.grpo_step(run)
     assert 0.0 <= metrics["train/moe/routing_disagreement"] <= 0.05  # fp32 engine and trainer agree
+    assert metrics["train/moe/routing_replayed"] > 0
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     run.policy.shutdown()
 
@@ -229,11 +229,50 @@ def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):
             cluster={"backend": "ray", "num_workers": 2},
             train_global_batch_size=2,
         )
-    from helpers import small_async_grpo_cfg
-
-    with pytest.raises(ConfigError, match="not in the asynchronous loop yet"):
-        small_async_grpo_cfg(tmp_path, "policy.moe.routing_replay=rollout")
     assert set(MOE_FAMILIES) <= set(FAMILIES)
+
+
+def test_an_async_run_replays_the_rollout_workers_routing(tmp_path):
+    """grpo-async with replay: the rollout workers' engines record, the groups' rows carry the routing
+    (a group restored from a checkpoint has none: NO_RECORD), and the trainer replays it."""
+    from helpers import small_async_grpo_cfg
+    from posttrain.algorithms.async_grpo.run import run_async_grpo
+    from posttrain.logging import read_metrics
+    from posttrain.rollout.rows import stack_rows
+
+    path = saved_moe(tmp_path)
+    cfg = small_async_grpo_cfg(
+        tmp_path / "run",
+        f"policy.model.name={path}",
+        "policy.moe.routing_replay=rollout",
+        "async_grpo.num_steps=2",
+        "checkpointing.enabled=false",
+        "checkpointing.resume=never",
+    )
+    run_async_grpo(cfg)
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 2 and all(0.0 <= r["train/moe/routing_disagreement"] <= 0.05 for r in steps)
+    assert all(r["train/moe/routing_replayed"] > 0 for r in steps)  # the rows carried the workers' routing
+    with_routing = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long).numpy(),
+        "input_lengths": torch.tensor([3, 2]).numpy(),
+        "routing": torch.zeros(2, 3, 2, 2, dtype=torch.int16).numpy(),
+    }
+    without = {
+        "input_ids": torch.ones(1, 4, dtype=torch.long).numpy(),
+        "input_lengths": torch.tensor([4]).numpy(),
+    }
+    from posttrain.rollout import rows as rows_module
+
+    keys = rows_module.ROW_KEYS
+    try:
+        rows_module.ROW_KEYS = ("input_ids", "input_lengths")
+        batch = stack_rows([with_routing, without], pad_id=0)
+    finally:
+        rows_module.ROW_KEYS = keys
+    assert batch["routing"].shape == (3, 4, 2, 2)
+    assert (batch["routing"][:2, :3] == 0).all() and (batch["routing"][:2, 3] == moe.NO_RECORD).all()
+    assert (batch["routing"][2] == moe.NO_RECORD).all()
 
 
 def direct_router_losses(model, batch) -> tuple[float, float]:

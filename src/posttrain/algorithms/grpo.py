@@ -252,6 +252,7 @@ def grpo_step(
     if run.cfg.policy.moe.routing_replay == "rollout":
         routing = run.policy.pop_routing_stats()
         train_metrics["moe/routing_disagreement"] = routing["differ"] / max(routing["total"], 1)
+        train_metrics["moe/routing_replayed"] = float(routing["total"])  # decisions replayed this step
     with run.timed("weight_sync"):
         sync_metrics = sync_weights(run)
     metrics = {

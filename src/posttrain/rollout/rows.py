@@ -109,6 +109,7 @@ ROW_KEYS = (
     "advantages",
     "rewards",
 )
+OPTIONAL_ROW_KEYS = ("routing",)  # MoE routing replay: the engine's expert ids [rows, width, L, k]
 
 
 def attach_rows(groups: list[GroupSamples], group: GroupConfig, pad_id: int) -> None:
@@ -128,7 +129,7 @@ def attach_rows(groups: list[GroupSamples], group: GroupConfig, pad_id: int) -> 
         group,
         pad_id,
     )
-    arrays = {k: batch[k].numpy() for k in ROW_KEYS}
+    arrays = {k: batch[k].numpy() for k in (*ROW_KEYS, *OPTIONAL_ROW_KEYS) if k in batch.keys()}
     first = 0
     for s, n in zip(todo, sizes.tolist()):
         rows = slice(first, first + n)
@@ -138,20 +139,24 @@ def attach_rows(groups: list[GroupSamples], group: GroupConfig, pad_id: int) -> 
 
 
 def stack_rows(groups: list[dict[str, np.ndarray]], pad_id: int) -> TensorDict:
-    """The batch of several groups' rows (`attach_rows`), right-padded to the longest row of them all."""
+    """The batch of several groups' rows (`attach_rows`), right-padded to the longest row of them all. An
+    optional key (`routing`) that only some groups have is NO_RECORD in the others' rows."""
     width = max(g["input_ids"].shape[1] for g in groups)
     n = sum(len(g["input_lengths"]) for g in groups)
     out = {}
-    for key in ROW_KEYS:
-        first = groups[0][key]
+    optional = [k for k in OPTIONAL_ROW_KEYS if any(k in g for g in groups)]
+    for key in (*ROW_KEYS, *optional):
+        first = next(g[key] for g in groups if key in g)
         if first.ndim == 1:
             out[key] = torch.from_numpy(np.concatenate([g[key] for g in groups]))
             continue
-        full = np.full((n, width), pad_id if key == "input_ids" else 0, dtype=first.dtype)
+        fill = NO_RECORD if key == "routing" else pad_id if key == "input_ids" else 0
+        full = np.full((n, width, *first.shape[2:]), fill, dtype=first.dtype)
         row = 0
         for g in groups:
-            rows, cols = g[key].shape
-            full[row : row + rows, :cols] = g[key]
+            rows = len(g["input_lengths"])
+            if key in g:
+                full[row : row + rows, : g[key].shape[1]] = g[key]
             row += rows
         out[key] = torch.from_numpy(full)
     return make_batch(**out)

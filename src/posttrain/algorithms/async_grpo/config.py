@@ -150,11 +150,6 @@ class AsyncGRPORunConfig(GRPORunSections):
             if getattr(self.grpo, name) != getattr(defaults, name):
                 where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
                 raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
-        if self.policy.moe.routing_replay != "off":
-            raise ValueError(
-                "policy.moe.routing_replay=rollout is not in the asynchronous loop yet (its rows do not carry "
-                "the engine's routing); use `posttrain grpo`, or set policy.moe.routing_replay=off"
-            )
         if self.distill is not None and self.grpo.dynamic_sampling:
             raise ValueError(
                 "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but distillation "
@@ -169,7 +164,10 @@ def worker_config(cfg: AsyncGRPORunConfig) -> RolloutWorkerConfig:
     return RolloutWorkerConfig(
         model=cfg.policy.model,
         lora=cfg.policy.lora,
-        generation=cfg.generation,
+        # routing replay: the engines record each sample's MoE routing, which its rows carry to the trainer
+        generation=cfg.generation.model_copy(
+            update={"record_routing": cfg.policy.moe.routing_replay != "off"}
+        ),
         sampling=cfg.sampling,
         task=cfg.task,
         env=cfg.env,

@@ -423,6 +423,10 @@ async def train(
         metrics.pop("step", None)  # the log has its own
         metrics.update(run.stats.pop())
         metrics.update(run.trainer.pop_chunk_metrics())  # distillation's, averaged over the chunks
+        if cfg.policy.moe.routing_replay != "off":
+            routing = await run.trainer.call(run.policy.pop_routing_stats)
+            metrics["train/moe/routing_disagreement"] = routing["differ"] / max(routing["total"], 1)
+            metrics["train/moe/routing_replayed"] = float(routing["total"])
         if run.validator is not None and loop.val_period and step % loop.val_period == 0:
             metrics.update(await run.trainer.call(validate_now, run))
         metrics_log.log(metrics, step)
