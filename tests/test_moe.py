@@ -349,3 +349,49 @@ def test_expert_parallel_layouts_and_models_it_cannot_shard_are_refused():
     dense = AutoModelForCausalLM.from_config(family_config("llama", len(TOK)))
     with pytest.raises(ValueError, match="has no fused MoE experts"):
         check_expert_parallel(dense, 2)
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "activation_checkpointing"])
+def test_a_moe_step_is_the_same_with_dynamic_batching_and_activation_checkpointing(tmp_path, layout):
+    from conftest import random_batch
+    from helpers import assert_params_close
+    from posttrain.algorithms.losses import ClippedPGLoss
+
+    path = saved_moe(tmp_path)
+    sgd = {"name": "torch.optim.SGD", "lr": 1.0}
+    moe_cfg = {"aux_loss_coef": 0.1}
+    plain = Policy(policy_cfg(model={"name": str(path)}, optimizer=sgd, moe=moe_cfg))
+    over = (
+        {"microbatch": {"mode": "dynamic", "max_tokens": 40}}
+        if layout == "dynamic"
+        else {"parallel": {"activation_checkpointing": True}}
+    )
+    other = Policy(policy_cfg(model={"name": str(path)}, optimizer=sgd, moe=moe_cfg, **over))
+    batch = random_batch(8, 14, rl=True)
+    a, b = plain.train(batch, ClippedPGLoss()), other.train(batch, ClippedPGLoss())
+    for k in ("loss", "moe_aux_loss", "grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-5), k
+    assert_params_close(plain.full_state_dict(), other.full_state_dict(), rtol=1e-5, atol=1e-6)
+    plain.shutdown()
+    other.shutdown()
+
+
+def test_a_trained_moe_exports_to_a_directory_transformers_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import random_batch
+    from posttrain.algorithms.losses import ClippedPGLoss
+
+    path = saved_moe(tmp_path)
+    policy = Policy(policy_cfg(model={"name": str(path)}))
+    batch = random_batch(8, 14, rl=True)
+    policy.train(batch, ClippedPGLoss())
+    ours = policy.get_logprobs(batch)
+    policy.save_hf(str(tmp_path / "out"))
+    policy.shutdown()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=batch["input_ids"]).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    valid = torch.arange(14)[None, 1:] < batch["input_lengths"][:, None]
+    torch.testing.assert_close(ours[:, 1:] * valid, lp * valid, rtol=0, atol=1e-5)

@@ -54,9 +54,12 @@ def _outcome(worker: PolicyWorker, batch) -> dict:
     return {"metrics": metrics, "params": worker.full_state_dict(), "routing": routing, "logprobs": logprobs}
 
 
-def _on_ranks(rank: int, world: int, port: int, path: str, replay: str, ep: int, ckpt: str | None):
+def _on_ranks(
+    rank: int, world: int, port: int, path: str, replay: str, ep: int, ckpt: str | None, ac: bool = False
+):
     cfg = _cfg(path, replay, cluster={"backend": "ray", "num_workers": world})
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"expert_parallel_size": ep})})
+    layout = {"expert_parallel_size": ep, "activation_checkpointing": ac}
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=layout)})
     worker = PolicyWorker(cfg, rank=rank, world_size=world, master_port=port)
     shard = shard_batch(_batch(replay), worker.dims.dp)[worker.dims.dp_index(rank)]
     result = _outcome(worker, shard)
@@ -93,3 +96,13 @@ def test_a_moe_step_is_the_same_on_one_rank_dp2_and_ep2(tmp_path, replay, ep):
         one = PolicyWorker(_cfg(path, replay))
         one.load_checkpoint(ckpt)
         assert_params_close(results[0]["params"], one.full_state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_an_ep2_step_with_activation_checkpointing_equals_one_rank(tmp_path):
+    """Recomputing a layer in backward runs its all-to-alls again, in the same order on every rank."""
+    path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
+    ref = _outcome(PolicyWorker(_cfg(path, "off")), _batch("off"))
+    results = run_ranks(2, _on_ranks, path, "off", 2, None, True)
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+    assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
