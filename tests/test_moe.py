@@ -335,10 +335,11 @@ def test_expert_parallel_layouts_and_models_it_cannot_shard_are_refused():
     from posttrain.parallel.dims import ParallelDims
     from posttrain.parallel.expert_parallel import check_expert_parallel
 
-    with pytest.raises(ValueError, match="expert_parallel_size=2 \\(the data-parallel size\\)"):
-        ParallelDims(4, ep=4, tp=2)
     with pytest.raises(ValueError, match="use tensor_parallel_size=1"):
-        ParallelDims(4, ep=2)  # dp=4: the experts would have to be sharded over all four
+        ParallelDims(4, ep=2, tp=2)
+    with pytest.raises(ValueError, match="divides the data-parallel size 6"):
+        ParallelDims(6, ep=4)
+    ParallelDims(4, ep=2)  # dp=4: two groups of two ranks, each holding all experts between them
     ParallelDims(2, ep=2)
     with pytest.raises(ValueError, match="does not divide the 4 experts"):
         check_expert_parallel(tiny_moe("qwen3_moe"), 3)

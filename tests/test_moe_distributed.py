@@ -65,6 +65,7 @@ def _on_ranks(
     result = _outcome(worker, shard)
     experts = worker.model.model.layers[0].mlp.experts.gate_up_proj
     result["local_experts"] = experts.to_local().shape[0] if ep > 1 else None
+    result["logprobs_rank"] = rank
     if ckpt is not None:
         worker.save_checkpoint(ckpt)
     worker.teardown_comms()
@@ -106,3 +107,21 @@ def test_an_ep2_step_with_activation_checkpointing_equals_one_rank(tmp_path):
     results = run_ranks(2, _on_ranks, path, "off", 2, None, True)
     assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
     assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("replay", ["off", "rollout"])
+def test_a_dp4_ep2_step_equals_one_rank(tmp_path, replay):
+    """Four ranks as two expert groups of two: each group holds all experts between its ranks, and the
+    two copies' gradients are summed before the step."""
+    path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
+    ref = _outcome(PolicyWorker(_cfg(path, replay)), _batch(replay))
+    results = run_ranks(4, _on_ranks, path, replay, 2, None)
+    assert [r["local_experts"] for r in results] == [2, 2, 2, 2]
+    torch.testing.assert_close(
+        torch.cat([r["logprobs"] for r in results]), ref["logprobs"], rtol=0, atol=1e-5
+    )
+    for k in ("loss", "grad_norm"):
+        assert results[0]["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), k
+    for r in results:
+        assert_params_close(ref["params"], r["params"], rtol=1e-5, atol=1e-6)

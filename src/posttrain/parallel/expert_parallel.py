@@ -1,11 +1,14 @@
 """Expert parallelism (`parallel.expert_parallel_size`): the experts of every MoE layer sharded over the
 data-parallel ranks, tokens sent to the rank that holds their expert and back by all-to-all.
 
-Layout: ep equals the data-parallel size (tp = cp = 1). Each fused expert tensor of transformers' MoE
-experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) becomes a DTensor sharded on dim 0 over the
-data-parallel mesh, so rank r holds experts [r E/ep, (r+1) E/ep) whole; FSDP2 leaves them alone
-(`ignored_params`) and shards everything else as before. Checkpoints, exports and weight syncs read
-them as any DTensor (a full tensor is gathered where one is needed).
+Layout: ep divides the data-parallel size dp (tp = cp = 1). The dp ranks form a (dp/ep, ep) grid, rank
+= replica x ep + e: each row of ep ranks is one expert group. Each fused expert tensor of transformers'
+MoE experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) becomes a DTensor sharded on dim 0 over
+the group (replicated over the dp/ep rows), so rank e of a group holds experts [e E/ep, (e+1) E/ep)
+whole; FSDP2 leaves them alone (`ignored_params`) and shards everything else as before. Checkpoints,
+exports and weight syncs read them as any DTensor (a full tensor is gathered where one is needed).
+With more than one row, each row's tokens train its copy of the experts: `sync_expert_grads` sums the
+rows' expert gradients before the optimizer step (a no-op when ep = dp).
 
 Forward of one MoE layer on each rank (its N tokens, k experts each): the N x k (token, expert) pairs
 are sorted by the rank that owns the expert; an all-to-all of the counts, then of the hidden states and
@@ -23,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from posttrain.parallel.mesh import _groups_along
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
@@ -66,19 +71,44 @@ def check_expert_parallel(model: torch.nn.Module, ep: int) -> None:
             )
 
 
-def apply_ep(model: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn.Parameter]:
-    """Shard every experts module over `mesh` (see the module docstring); returns the expert parameters
-    (for FSDP2's `ignored_params`)."""
-    check_expert_parallel(model, mesh.size())
+def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The mesh the experts are sharded over: `dp_mesh` itself when ep = dp, else a (dp/ep, ep) grid of
+    the same ranks (collective: every rank builds it in the same order)."""
+    dp = dp_mesh.size()
+    if ep == dp:
+        return dp_mesh
+    backend = "nccl" if dp_mesh.device_type == "cuda" else "gloo"
+    ranks = torch.arange(dist.get_world_size()).view(dp // ep, ep)
+    groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("ep_replicate", "ep"))]
+    return DeviceMesh.from_group(
+        groups, dp_mesh.device_type, mesh=ranks, mesh_dim_names=("ep_replicate", "ep")
+    )
+
+
+def apply_ep(model: torch.nn.Module, dp_mesh: DeviceMesh, ep: int) -> set[torch.nn.Parameter]:
+    """Shard every experts module over `ep` ranks of `dp_mesh` (see the module docstring); returns the
+    expert parameters (for FSDP2's `ignored_params`)."""
+    check_expert_parallel(model, ep)
+    mesh = expert_mesh(dp_mesh, ep)
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     params: set[torch.nn.Parameter] = set()
     for experts in expert_modules(model):
         for name in EXPERT_TENSORS:
             old = getattr(experts, name)
-            new = torch.nn.Parameter(distribute_tensor(old.data, mesh, [Shard(0)]), old.requires_grad)
+            new = torch.nn.Parameter(distribute_tensor(old.data, mesh, placements), old.requires_grad)
             setattr(experts, name, new)
             params.add(new)
-        experts.forward = _ExpertParallelForward(experts, mesh)
+        experts.forward = _ExpertParallelForward(experts)
     return params
+
+
+def sync_expert_grads(model: torch.nn.Module) -> None:
+    """Sum the expert gradients over the replica rows of a (dp/ep, ep) expert mesh (no-op otherwise)."""
+    for experts in expert_modules(model):
+        for name in EXPERT_TENSORS:
+            p = getattr(experts, name)
+            if isinstance(p, DTensor) and p.device_mesh.ndim == 2 and p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(0))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -88,13 +118,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class _ExpertParallelForward:
     """The experts module's forward under expert parallelism (see the module docstring)."""
 
-    def __init__(self, experts: torch.nn.Module, mesh: DeviceMesh) -> None:
-        self.experts = experts
-        self.group = mesh.get_group()
-        self.ep, self.rank = mesh.size(), mesh.get_local_rank()
+    def __init__(self, experts: torch.nn.Module) -> None:
+        self.experts = experts  # the group is read from the parameters' mesh on every call (comms rebind it)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         m = self.experts
+        mesh = m.gate_up_proj.device_mesh
+        dim = mesh.ndim - 1  # the expert-group dimension
+        self.group, self.ep, self.rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
         gate_up, down = _local(m.gate_up_proj), _local(m.down_proj)
         per_rank = gate_up.shape[0]
         n, k = top_k_index.shape

@@ -155,3 +155,25 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "FSDP2 wrapping per layer supports Llama/Qwen2-style models"
         )
     return list(layers)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients of `params` to a global norm of `max_norm`; returns the norm before clipping.
+    Parameters may be DTensors on different meshes (expert-parallel experts beside FSDP2's shards): each
+    mesh's norm is taken on its own, then combined (torch's clip refuses mixed meshes)."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        key = p.device_mesh if isinstance(p, DTensor) else None
+        by_mesh.setdefault(key, []).append(p)
+    if len(by_mesh) == 1:
+        return float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)))
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        squares.append(full_tensor(norm).double() ** 2)
+    total = float(torch.stack(squares).sum().sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:  # as torch's clip: scale every gradient by max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(coef)
+    return total

@@ -40,7 +40,7 @@ def parallelize(
         apply_activation_checkpointing(model)
     if meshes is not None and meshes.cp is not None:
         model.set_attn_implementation(register_attention())
-    ignored = apply_ep(model, meshes.fsdp) if meshes is not None and dims.ep > 1 else set()
+    ignored = apply_ep(model, meshes.fsdp, dims.ep) if meshes is not None and dims.ep > 1 else set()
     if meshes is not None:
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, cpu_offload=dims.cpu_offload, ignored=ignored)
     return model

@@ -105,7 +105,7 @@ class ParallelConfig(Config):
         1,
         ge=1,
         description="MoE models: ranks over which each layer's experts are sharded, tokens reaching "
-        "theirs by all-to-all; must equal the data-parallel size (tp = cp = 1) and divide the experts",
+        "theirs by all-to-all; must divide the data-parallel size (tp = cp = 1) and the experts",
     )
 
     def dims(self, world: int) -> ParallelDims:

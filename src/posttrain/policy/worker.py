@@ -42,6 +42,7 @@ from posttrain.models.scalar_head import model_outputs, shares_prefix
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
+from posttrain.parallel.expert_parallel import sync_expert_grads
 from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
@@ -306,10 +307,10 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def _apply_gradients(self, n: float) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         with torch.no_grad():
+            sync_expert_grads(self.model)  # expert parallelism over several replica rows
             torch._foreach_div_([p.grad for p in params], n)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        grad_norm = float(full_tensor(norm))
+        grad_norm = pmesh.clip_grad_norm(params, max_norm)
         if not math.isfinite(grad_norm):
             self.abort_train_step()
             raise NonFiniteLossError(
