@@ -19,6 +19,7 @@ import torch
 from helpers import policy_cfg, small_grpo_cfg
 from model_zoo import FAMILIES, family_config, save_family_model
 from posttrain.algorithms import grpo
+from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.data.batch import make_batch
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationConfig, SamplingParams
@@ -104,14 +105,26 @@ def test_the_engine_records_what_a_full_forward_routes(tmp_path):
 
 def trainer_view(path, results, replay: str):
     """Trainer logprobs of the engine's samples (fp32), its routing statistics, and the batch."""
-    policy = Policy(policy_cfg(model={"name": str(path)}, moe={"routing_replay": replay}))
+    cfg = policy_cfg(
+        model={"name": str(path)}, moe={"routing_replay": replay}, train_global_batch_size=len(results)
+    )
+    policy = Policy(cfg)
     seqs = [r.prompt_token_ids + r.token_ids for r in results]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     batch = make_batch(input_ids=ids, input_lengths=torch.tensor([len(s) for s in seqs]))
     batch["routing"] = routing_rows([r.routing for r in results], width)
     try:
-        return policy.get_logprobs(batch), policy.pop_routing_stats()
+        logprobs = policy.get_logprobs(batch)  # logprob passes are not counted: an eval-mode pass is
+        mask = torch.zeros(ids.shape)
+        for i, r in enumerate(results):
+            mask[i, len(r.prompt_token_ids) : len(seqs[i])] = 1
+        batch["token_mask"], batch["sample_mask"] = mask, torch.ones(len(seqs))
+        batch["advantages"] = torch.zeros(ids.shape)
+        for key in ("generation_logprobs", "prev_logprobs", "reference_logprobs"):
+            batch[key] = logprobs
+        policy.train(batch, ClippedPGLoss(), eval_mode=True)
+        return logprobs, policy.pop_routing_stats()
     finally:
         policy.shutdown()
 
@@ -396,3 +409,34 @@ def test_a_trained_moe_exports_to_a_directory_transformers_loads(tmp_path):
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     valid = torch.arange(14)[None, 1:] < batch["input_lengths"][:, None]
     torch.testing.assert_close(ours[:, 1:] * valid, lp * valid, rtol=0, atol=1e-5)
+
+
+def test_replay_stays_in_force_when_activation_checkpointing_recomputes_the_forward(tmp_path):
+    """Forced routing (other experts than the router's own) with activation checkpointing: the backward's
+    recomputation replays too (same step as without checkpointing), and each decision is counted once."""
+    from conftest import random_batch
+    from helpers import assert_params_close
+
+    path = saved_moe(tmp_path)
+    batch = random_batch(8, 14, rl=True)
+    g = torch.Generator().manual_seed(2)
+    first = torch.randint(0, 4, (8, 14, 2, 1), generator=g)
+    batch["routing"] = torch.cat([first, (first + 1) % 4], -1).to(torch.int16)
+    sgd = {"name": "torch.optim.SGD", "lr": 1.0}
+    runs = []
+    for ac in (False, True):
+        policy = Policy(
+            policy_cfg(
+                model={"name": str(path)},
+                optimizer=sgd,
+                moe={"routing_replay": "rollout"},
+                parallel={"activation_checkpointing": ac},
+            )
+        )
+        metrics = policy.train(batch, ClippedPGLoss())
+        runs.append((metrics, policy.pop_routing_stats(), policy.full_state_dict()))
+        policy.shutdown()
+    (m0, s0, p0), (m1, s1, p1) = runs
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+    assert_params_close(p0, p1, rtol=1e-5, atol=1e-6)
+    assert s0 == s1 and s0["total"] == 8 * 14 * 2  # every position recorded here, both layers, once

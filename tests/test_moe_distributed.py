@@ -26,6 +26,8 @@ ROUTER_LOSSES = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01}
 
 def _cfg(path: str, replay: str, **over):
     moe = ROUTER_LOSSES if replay == "router_losses" else {"routing_replay": replay}
+    if replay == "rank0_experts":
+        moe = {"routing_replay": "rollout"}
     return policy_cfg(
         model={"name": path},
         optimizer=SGD,
@@ -38,6 +40,10 @@ def _cfg(path: str, replay: str, **over):
 
 def _batch(replay: str):
     batch = random_batch(8, 16, rl=True, masked=())
+    if replay == "rank0_experts":  # every token to experts 0 and 1: rank 1 of ep=2 receives none
+        routing = torch.tensor([0, 1], dtype=torch.int16).expand(8, 16, 2, 2).clone()
+        routing[:, -1] = -1
+        batch["routing"] = routing
     if replay == "rollout":  # a recorded routing (2 MoE layers, 2 of 4 experts), none on the last token
         g = torch.Generator().manual_seed(7)
         first = torch.randint(0, 4, (8, 16, 2, 1), generator=g)
@@ -125,3 +131,33 @@ def test_a_dp4_ep2_step_equals_one_rank(tmp_path, replay):
         assert results[0]["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), k
     for r in results:
         assert_params_close(ref["params"], r["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_an_ep2_rank_that_receives_no_tokens_still_takes_the_same_step(tmp_path):
+    """All tokens routed (by replay) to rank 0's experts: rank 1's experts get nothing, its backward
+    all-to-alls still run (no hang), and the step equals one rank."""
+    path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
+    ref = _outcome(PolicyWorker(_cfg(path, "rank0_experts")), _batch("rank0_experts"))
+    results = run_ranks(2, _on_ranks, path, "rank0_experts", 2, None)
+    assert results[0]["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+    assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
+
+
+def _bf16_on_ranks(rank: int, world: int, port: int, path: str) -> float:
+    cfg = _cfg(path, "off", precision="bfloat16", cluster={"backend": "ray", "num_workers": world})
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"expert_parallel_size": 2})})
+    worker = PolicyWorker(cfg, rank=rank, world_size=world, master_port=port)
+    metrics = worker.train(shard_batch(_batch("off"), 2)[rank], ClippedPGLoss())
+    worker.teardown_comms()
+    return metrics["grad_norm"]
+
+
+@pytest.mark.distributed
+def test_an_ep2_step_runs_in_bfloat16(tmp_path):
+    """FSDP2 computes in bf16 while the expert-parallel experts stay fp32: they run in the activations'
+    dtype; the step's gradient norm is finite and near fp32's."""
+    path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
+    ref = _outcome(PolicyWorker(_cfg(path, "off")), _batch("off"))["metrics"]["grad_norm"]
+    norms = run_ranks(2, _bf16_on_ranks, path)
+    assert norms[0] == norms[1] and norms[0] == pytest.approx(ref, rel=0.05)

@@ -2,8 +2,9 @@
 feeds through the model, the expert ids each MoE layer chose (models/moe.py), kept per request and
 returned with its result as `routing` [P + C - 1, L, k] int16: the prompt's P tokens, then each
 generated token but the last (which the engine never feeds back). The trainer replays them
-(policy.moe.routing_replay). A session prompt that reuses kept keys/values records only its new tokens;
-the reused ones hold NO_RECORD (the trainer's router decides there)."""
+(policy.moe.routing_replay). A session prompt that reuses kept keys/values (multi-turn) is prefilled
+without a record: its whole prompt holds NO_RECORD (the trainer's router decides there), its generated
+tokens are recorded."""
 
 from __future__ import annotations
 

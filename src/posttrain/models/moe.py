@@ -61,10 +61,12 @@ def record_routing(model: torch.nn.Module):
 
 @dataclass
 class ReplayStats:
-    """Router decisions replay saw: `differ` of the `total` recorded ones chose other experts."""
+    """Router decisions replay saw: `differ` of the `total` recorded ones chose other experts. Counted
+    while `active` (the caller turns it off, e.g. for a backward's recomputation of the forward)."""
 
     differ: int = 0
     total: int = 0
+    active: bool = True
 
 
 def _replayed(router: torch.nn.Module, original, replay: torch.Tensor, stats: ReplayStats):
@@ -75,10 +77,11 @@ def _replayed(router: torch.nn.Module, original, replay: torch.Tensor, stats: Re
         recorded = replay.to(own.device, torch.long)
         have = (recorded >= 0).all(-1)
         chosen = torch.where(have[:, None], recorded, own)
-        with torch.no_grad():
-            same = (own.sort(-1).values == chosen.sort(-1).values).all(-1)
-            stats.differ += int((~same & have).sum())
-            stats.total += int(have.sum())
+        if stats.active:
+            with torch.no_grad():
+                same = (own.sort(-1).values == chosen.sort(-1).values).all(-1)
+                stats.differ += int((~same & have).sum())
+                stats.total += int(have.sum())
         probs = torch.softmax(logits.float(), dim=-1)
         gates = probs.gather(-1, chosen)
         if renorm:

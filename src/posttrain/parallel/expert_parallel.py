@@ -107,7 +107,9 @@ def sync_expert_grads(model: torch.nn.Module) -> None:
     for experts in expert_modules(model):
         for name in EXPERT_TENSORS:
             p = getattr(experts, name)
-            if isinstance(p, DTensor) and p.device_mesh.ndim == 2 and p.grad is not None:
+            if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
+                if p.grad is None:  # every rank of the row joins the all-reduce, used or not
+                    p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(0))
 
 
@@ -140,13 +142,14 @@ class _ExpertParallelForward:
         ids = torch.empty(sum(recv_sizes), dtype=expert.dtype, device=expert.device)
         dist.all_to_all_single(ids, expert[order].contiguous(), recv_sizes, send_sizes, group=self.group)
         local = ids - self.rank * per_rank
-        out = torch.zeros_like(x)
+        out = x * 0  # tied to x even when this rank received no tokens: its backward all-to-alls still run
         for e in range(per_rank):
             rows = torch.nonzero(local == e).flatten()
             if rows.numel() == 0:
                 continue
-            g, u = torch.nn.functional.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-            out = out.index_add(0, rows, torch.nn.functional.linear(m.act_fn(g) * u, down[e]))
+            # the experts stay fp32 (FSDP2's mixed precision skips them): compute in the activations' dtype
+            g, u = torch.nn.functional.linear(x[rows], gate_up[e].to(x.dtype)).chunk(2, dim=-1)
+            out = out.index_add(0, rows, torch.nn.functional.linear(m.act_fn(g) * u, down[e].to(x.dtype)))
         back = all_to_all_single_autograd(out, send_sizes, recv_sizes, self.group)
         weights = top_k_weights.reshape(-1)[order, None].to(back.dtype)
         result = torch.zeros_like(hidden_states)

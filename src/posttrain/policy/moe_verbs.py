@@ -31,19 +31,34 @@ class RoutingVerbs:
         replays = moe.routing_replay == "rollout" and "routing" in data.keys()
         return replays or moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
 
-    def _replay(self, mb: Any, loss_fn: Any = None):
-        """The context of one micro-batch's model call: its routing replayed (when it has a record), and
-        the routers' outputs captured for `loss_fn` when it is `RouterLosses`."""
-        stack = contextlib.ExitStack()
-        if self.cfg.moe.routing_replay == "rollout" and "routing" in mb.data.keys():
-            if not hasattr(self, "_routing_stats"):
-                self._routing_stats = ReplayStats()
-            replay = microbatch_routing(mb.data, mb.packed)
-            stack.enter_context(replay_routing(self.model, replay, self._routing_stats))
-        if isinstance(loss_fn, RouterLosses):
-            loss_fn.layout = mb
-            loss_fn.outputs = stack.enter_context(capture_router_outputs(self.model))
-        return stack
+    def _replay(self, mb: Any, count: bool = False):
+        """The context of one micro-batch's model calls: its routing replayed when it has a record. Keep
+        it open through the backward (activation checkpointing recomputes the forward there, which must
+        route alike). `count`: add the forward's decisions to the step's `ReplayStats` (training
+        forwards of real micro-batches; `_counted` stops the count before the backward)."""
+        if not (self.cfg.moe.routing_replay == "rollout" and "routing" in mb.data.keys()):
+            return contextlib.nullcontext(ReplayStats(active=False))
+        if not hasattr(self, "_routing_stats"):
+            self._routing_stats = ReplayStats()
+        stats = self._routing_stats if count and not mb.is_dummy else ReplayStats(active=False)
+        stats.active = stats is self._routing_stats
+        return replay_routing(self.model, microbatch_routing(mb.data, mb.packed), stats)
+
+    def _capture(self, mb: Any, loss_fn: Any):
+        """The context of a training forward: the routers' outputs captured for `loss_fn` when it is
+        `RouterLosses`, else nothing."""
+        if not isinstance(loss_fn, RouterLosses):
+            return contextlib.nullcontext()
+        loss_fn.layout = mb
+        loss_fn.outputs = []
+
+        @contextlib.contextmanager
+        def capture():
+            with capture_router_outputs(self.model) as outputs:
+                yield
+            loss_fn.outputs = outputs
+
+        return capture()
 
     def _with_router_losses(self, loss_fn: Any) -> Any:
         """`loss_fn`, plus the router losses when `policy.moe` asks for them on an MoE model."""
@@ -54,7 +69,8 @@ class RoutingVerbs:
 
     @verb(*ON_DEVICE)
     def pop_routing_stats(self) -> dict[str, int]:
-        """Router decisions replayed since the last call (`total`) and how many of them the trainer's own
+        """Router decisions replayed by the training forwards since the last call (`total`; logprob and
+        reference passes and dummy micro-batches are not counted) and how many of them the trainer's own
         router would have made differently (`differ`); resets both."""
         stats = getattr(self, "_routing_stats", ReplayStats())
         self._routing_stats = ReplayStats()

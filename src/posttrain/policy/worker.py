@@ -258,15 +258,17 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
         grad_ctx = torch.no_grad() if step.eval_mode else contextlib.nullcontext()
-        with grad_ctx, self._autocast(), self._replay(mb, step.loss_fn):
-            outputs = model_outputs(
-                self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
-            )
-        loss, metrics = step.loss_fn(outputs, mb.data, one, one)
-        if mb.is_dummy:
-            loss = loss * 0.0
-        if not step.eval_mode:
-            loss.backward()
+        with self._replay(mb, count=True) as replay:  # open through the backward (recomputation)
+            with grad_ctx, self._autocast(), self._capture(mb, step.loss_fn):
+                outputs = model_outputs(
+                    self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
+                )
+            replay.active = False
+            loss, metrics = step.loss_fn(outputs, mb.data, one, one)
+            if mb.is_dummy:
+                loss = loss * 0.0
+            if not step.eval_mode:
+                loss.backward()
         if not mb.is_dummy:
             sample_mask = mb.data["sample_mask"].float()
             toks = (mb.data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
