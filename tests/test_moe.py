@@ -440,3 +440,21 @@ def test_replay_stays_in_force_when_activation_checkpointing_recomputes_the_forw
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
     assert_params_close(p0, p1, rtol=1e-5, atol=1e-6)
     assert s0 == s1 and s0["total"] == 8 * 14 * 2  # every position recorded here, both layers, once
+
+
+def test_a_continued_session_records_its_new_tokens_and_not_the_reused_prefix(tmp_path):
+    path = saved_moe(tmp_path)
+    engine = engine_for(path)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=0)
+    first = engine.generate(prompts_of([9]), params, sessions=["conv"])[0]
+    prefix = first.prompt_token_ids + first.token_ids[:-1]  # what the session keeps
+    prompt = first.prompt_token_ids + first.token_ids + [7, 8, 9]
+    second = engine.generate([prompt], params, sessions=["conv"])[0]
+    assert engine.num_reused_tokens > 0  # the prompt extended the kept keys/values
+    assert (second.routing[: len(prefix)] == moe.NO_RECORD).all()
+    reference = engine_model(PolicyConfig(model={"name": str(path)}).model, None, TOK).eval()
+    seq = second.prompt_token_ids + second.token_ids
+    with torch.no_grad(), moe.record_routing(reference) as calls:
+        reference(input_ids=torch.tensor([seq[:-1]]))
+    recorded = second.routing[len(prefix) :]
+    assert torch.equal(recorded.sort(-1).values, calls[0][len(prefix) :].sort(-1).values)

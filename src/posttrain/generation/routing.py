@@ -2,9 +2,8 @@
 feeds through the model, the expert ids each MoE layer chose (models/moe.py), kept per request and
 returned with its result as `routing` [P + C - 1, L, k] int16: the prompt's P tokens, then each
 generated token but the last (which the engine never feeds back). The trainer replays them
-(policy.moe.routing_replay). A session prompt that reuses kept keys/values (multi-turn) is prefilled
-without a record: its whole prompt holds NO_RECORD (the trainer's router decides there), its generated
-tokens are recorded."""
+(policy.moe.routing_replay). A session prompt that reuses kept keys/values (multi-turn) records its new
+tokens; the reused prefix holds NO_RECORD (the trainer's router decides there)."""
 
 from __future__ import annotations
 
@@ -34,6 +33,18 @@ class RoutingLog:
             start = len(r.prompt) - recorded.shape[0]
             full = torch.full((len(r.prompt), *recorded.shape[1:]), NO_RECORD, dtype=torch.int16)
             full[start:] = recorded
+            r.routing = [full]
+
+    @contextlib.contextmanager
+    def continued(self, chunk: list, prefix_lengths: list[int], width: int):
+        """Around the prefill of session prompts that extend kept keys/values: row i holds the new tokens
+        of `chunk[i]`'s prompt (after its prefix of `prefix_lengths[i]` tokens), right-padded to `width`."""
+        with record_routing(self.model) as calls:
+            yield
+        rows = calls[0].view(len(chunk), width, *calls[0].shape[1:]).cpu()
+        for r, row, start in zip(chunk, rows, prefix_lengths):
+            full = torch.full((len(r.prompt), *row.shape[1:]), NO_RECORD, dtype=torch.int16)
+            full[start:] = row[: len(r.prompt) - start]
             r.routing = [full]
 
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ group still share the prefill of their common first prompt, through the engine's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -31,6 +32,7 @@ import torch
 from posttrain.generation.kv_cache import KVPrefix, SlotKVCache
 from posttrain.generation.params import GenerationConfig
 from posttrain.generation.requests import Request
+from posttrain.generation.routing import RoutingLog
 from posttrain.generation.windows import WindowMasks
 
 
@@ -115,6 +117,7 @@ class EngineSessions:
     _arange: torch.Tensor
     _forward_at: Callable[..., torch.Tensor]
     _masks: WindowMasks
+    _routing: RoutingLog | None
     _start: Callable[..., list[Request]]
 
     def _build_sessions(self) -> None:
@@ -175,7 +178,12 @@ class EngineSessions:
         keys = self._arange[:length][None, None, :]
         full = (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])
         mask = self._masks.extend(full, positions, offsets, lengths)  # per layer type (windows.py)
-        logits = self._forward_at(ids, positions, mask, lengths - offsets - 1)
+        starts = [len(p) for p in prefixes]
+        recording = (
+            self._routing.continued(chunk, starts, width) if self._routing else contextlib.nullcontext()
+        )
+        with recording:  # MoE routing of the new tokens (generation/routing.py)
+            logits = self._forward_at(ids, positions, mask, lengths - offsets - 1)
         self.num_reused_tokens += sum(map(len, prefixes))
         self.num_prefill_tokens += sum(map(len, new))
         for r in chunk:
