@@ -116,7 +116,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
         noise = [w for w in ("Traceback", "Warning", " WARNING]") if w in done.stdout + done.stderr]
         assert not noise, (command, noise, done.stderr[-3000:])  # a README command runs clean
         ran.append(words[1])
-    assert ran.count("demo") == 4 and {"sft", "grpo", "grpo-async", "export", "generate"} <= set(ran)
+    assert ran.count("demo") == 5 and {"sft", "grpo", "grpo-async", "export", "generate"} <= set(ran)
     assert (tmp_path / "out_hf" / "config.json").is_file()
     assert (tmp_path / "out_adapter" / "adapter_config.json").is_file()
 
