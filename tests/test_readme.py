@@ -30,12 +30,13 @@ SKIP = {  # command prefix -> why it is not run here (its config is still valida
     "make test": "this suite is what it runs",
     "make demo": "`posttrain demo` after set-up: run below (its time and accuracy: benchmarks/RESULTS.md)",
     "posttrain grpo --config configs/grpo_qwen2.5_math_gpu.yaml": "a GPU and the hub",
+    "posttrain demo --config configs/grpo_arithmetic_moe.yaml": "run in full by tests/test_moe.py's learning test",
+    "posttrain ppo --config configs/ppo_arithmetic.yaml": "run by tests/test_ppo.py's learning test",
 }
 SHORT = {  # command prefix -> overrides appended: as written these take minutes on a CPU
     "posttrain demo": ["sft.max_num_steps=10", "grpo.grpo.max_num_steps=2", "grpo.grpo.val_period=2"],
     "posttrain grpo-async env.name=calculator": ["async_grpo.num_steps=2", "grpo.val_period=0"],
     "posttrain rm": ["max_num_steps=20", "val_period=10"],
-    "posttrain ppo": ["grpo.max_num_steps=3", "grpo.val_period=3"],
     "posttrain grpo env.name=custom": [
         "grpo.max_num_steps=1",
         "grpo.num_prompts_per_step=2",
@@ -84,13 +85,12 @@ def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def validate(words: list[str], cwd: Path) -> None:
-    """A command not run here: its arguments parse and its config builds."""
-    from posttrain.algorithms.grpo import GRPOConfig
+    """A command not run here: its arguments parse and its config builds (as its command's config)."""
+    from posttrain.cli import config_class
     from posttrain.config import load_config
 
     args = build_parser().parse_args(words[1:])
-    assert args.command == "grpo", words
-    load_config(GRPOConfig, cwd / args.config, args.overrides)
+    load_config(config_class(args.command), cwd / args.config, args.overrides)
 
 
 def test_every_readme_command_runs_as_written(tmp_path):
@@ -116,7 +116,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
         noise = [w for w in ("Traceback", "Warning", " WARNING]") if w in done.stdout + done.stderr]
         assert not noise, (command, noise, done.stderr[-3000:])  # a README command runs clean
         ran.append(words[1])
-    assert ran.count("demo") == 5 and {"sft", "grpo", "grpo-async", "export", "generate"} <= set(ran)
+    assert ran.count("demo") == 4 and {"sft", "grpo", "grpo-async", "export", "generate"} <= set(ran)
     assert (tmp_path / "out_hf" / "config.json").is_file()
     assert (tmp_path / "out_adapter" / "adapter_config.json").is_file()
 
