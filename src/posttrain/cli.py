@@ -71,8 +71,7 @@ def _shown(result: dict[str, float], names: dict[str, str]) -> str:
 def _sft(args: argparse.Namespace) -> int:
     from posttrain.algorithms.sft import run_sft
 
-    cfg = load_config(config_class("sft"), args.config, args.overrides)
-    check_output_dir(cfg.output_dir)
+    cfg = _loaded(args, "sft")
     result = run_sft(cfg)
     console.print(
         f"[bold green]SFT done[/]: train loss {result.get('loss', float('nan')):.4f}, "
@@ -81,72 +80,65 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loaded(args: argparse.Namespace, command: str):
+    """The command's config from --config and the overrides (with --overwrite's where it has one), its
+    output directory checked."""
+    overrides = args.overrides + (_overwrite(args) if hasattr(args, "overwrite") else [])
+    cfg = load_config(config_class(command), args.config, overrides)
+    check_output_dir(cfg.output_dir)
+    return cfg
+
+
+def _trained(args: argparse.Namespace, command: str, run, title: str, names: dict[str, str]) -> int:
+    """Run `command` with `run` and print `title done` with the metrics `names` labels."""
+    cfg = _loaded(args, command)
+    result = run(cfg)
+    console.print(f"[bold green]{title} done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}")
+    return 0
+
+
 def _dpo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.dpo import run_dpo
 
-    cfg = load_config(config_class("dpo"), args.config, args.overrides)
-    check_output_dir(cfg.output_dir)
-    result = run_dpo(cfg)
-    shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out preference accuracy"})
-    console.print(f"[bold green]DPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
-    return 0
+    names = {"loss": "train loss", "val_accuracy": "held-out preference accuracy"}
+    return _trained(args, "dpo", run_dpo, "DPO", names)
 
 
 def _rm(args: argparse.Namespace) -> int:
     from posttrain.algorithms.rm import run_rm
 
-    cfg = load_config(config_class("rm"), args.config, args.overrides)
-    check_output_dir(cfg.output_dir)
-    result = run_rm(cfg)
-    shown = _shown(result, {"loss": "train loss", "val_accuracy": "held-out pair accuracy"})
-    console.print(f"[bold green]reward model done[/]: {shown}outputs in {escape(cfg.output_dir)}")
-    return 0
+    names = {"loss": "train loss", "val_accuracy": "held-out pair accuracy"}
+    return _trained(args, "rm", run_rm, "reward model", names)
 
 
 def _grpo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.grpo import run_grpo
 
-    cfg = load_config(config_class("grpo"), args.config, args.overrides + _overwrite(args))
-    check_output_dir(cfg.output_dir)
-    result = run_grpo(cfg)
-    shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
-    console.print(f"[bold green]GRPO done[/]: {shown}outputs in {escape(cfg.output_dir)}")
-    return 0
+    return _trained(args, "grpo", run_grpo, "GRPO", {"reward": "reward", "val/accuracy": "held-out accuracy"})
 
 
 def _distill(args: argparse.Namespace) -> int:
     from posttrain.algorithms.distill import run_distill
 
-    cfg = load_config(config_class("distill"), args.config, args.overrides + _overwrite(args))
-    check_output_dir(cfg.output_dir)
-    result = run_distill(cfg)
     names = {"distill/reverse_kl": "reverse KL per token", "val/accuracy": "held-out accuracy"}
-    console.print(
-        f"[bold green]distillation done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}"
-    )
-    return 0
+    return _trained(args, "distill", run_distill, "distillation", names)
 
 
 def _ppo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.ppo import run_ppo
 
-    cfg = load_config(config_class("ppo"), args.config, args.overrides + _overwrite(args))
-    check_output_dir(cfg.output_dir)
-    result = run_ppo(cfg)
     names = {
         "reward": "reward",
         "ppo/explained_variance": "critic explained variance",
         "val/accuracy": "held-out accuracy",
     }
-    console.print(f"[bold green]PPO done[/]: {_shown(result, names)}outputs in {escape(cfg.output_dir)}")
-    return 0
+    return _trained(args, "ppo", run_ppo, "PPO", names)
 
 
 def _grpo_async(args: argparse.Namespace) -> int:
     from posttrain.algorithms.async_grpo.run import run_async_grpo
 
-    cfg = load_config(config_class("grpo-async"), args.config, args.overrides + _overwrite(args))
-    check_output_dir(cfg.output_dir)
+    cfg = _loaded(args, "grpo-async")
     result = run_async_grpo(cfg)
     shown = _shown(result, {"reward": "reward", "val/accuracy": "held-out accuracy"})
     if "summary/steps" in result:
@@ -165,8 +157,7 @@ def _overwrite(args: argparse.Namespace) -> list[str]:
 def _demo(args: argparse.Namespace) -> int:
     from posttrain.algorithms.demo import run_demo
 
-    cfg = load_config(config_class("demo"), args.config, args.overrides)
-    check_output_dir(cfg.output_dir)
+    cfg = _loaded(args, "demo")
     t0 = time.perf_counter()
     res = run_demo(cfg)
     what = cfg.sft.env.name if cfg.sft.env is not None else cfg.sft.task.name

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from posttrain.algorithms import grpo
 from posttrain.algorithms.distill_core import DistillSettings, teacher_advantages, topk_reverse_kl
 from posttrain.algorithms.distill_teacher import TeacherPolicy, check_same_vocabulary, teacher_config
+from posttrain.algorithms.grpo_config import DISTILLATION_LEARNS_FROM_EVERY_GROUP, refuse_dynamic_sampling
 from posttrain.logging import get_logger
 from posttrain.policy.policy import Policy
 
@@ -32,12 +33,7 @@ class DistillConfig(grpo.GRPOConfig):
 
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
-        if self.grpo.dynamic_sampling:
-            raise ValueError(
-                "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but distillation "
-                "learns from every group (its advantages come from the teacher): set "
-                "grpo.dynamic_sampling=false"
-            )
+        refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
         return self
 
 

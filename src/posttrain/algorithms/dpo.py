@@ -20,17 +20,10 @@ import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.losses import DPOConfig, DPOLoss
-from posttrain.algorithms.runs import (
-    StopOnInterrupt,
-    interrupted,
-    open_metrics,
-    run_policy,
-    shuffled_batches,
-    write_config,
-)
+from posttrain.algorithms.runs import run_policy, shuffled_batches, train_steps, write_config
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
-from posttrain.logging import LoggingConfig, StepProgress, get_logger
+from posttrain.logging import LoggingConfig, get_logger
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
@@ -167,42 +160,12 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
     log.info("reference logprobs of %d pairs in %.1fs", len(train) + len(heldout), time.perf_counter() - t0)
     loss = DPOLoss(cfg.loss)
     gbs = cfg.policy.train_global_batch_size
-    metrics_log = open_metrics(out, cfg.logging, resume_step=None)
-    progress = StepProgress(
-        cfg.max_num_steps, "dpo", ("train/loss", "val/accuracy"), cfg.logging.progress_bar
-    )
-    last: dict[str, float] = {}
-    if heldout:
-        start = evaluate(policy, loss, heldout, held_refs, pad_id)
-        metrics_log.log(start, 0, prefix="val")
-        last["val_policy_accuracy_at_start"] = start["policy_accuracy"]
     batches = shuffled_batches(len(train), gbs // 2, cfg.seed)
-    step = 0
-    try:
-        with StopOnInterrupt("dpo", saves=False) as stop:
-            while step < cfg.max_num_steps and not stop.requested:
-                step += 1
-                t = time.perf_counter()
-                idx = next(batches)
-                batch = training_batch([train[i] for i in idx], [refs[i] for i in idx], pad_id, gbs)
-                last.update(policy.train(batch, loss))
-                last["step_time_s"] = time.perf_counter() - t
-                metrics_log.log(
-                    {k: v for k, v in last.items() if not k.startswith("val")}, step, prefix="train"
-                )
-                shown = {"train/loss": last["loss"]}
-                if heldout and (step == cfg.max_num_steps or (cfg.val_period and step % cfg.val_period == 0)):
-                    val = evaluate(policy, loss, heldout, held_refs, pad_id)
-                    metrics_log.log(val, step, prefix="val")
-                    last["val_accuracy"], last["val_loss"] = val["accuracy"], val["loss"]
-                    last["val_policy_accuracy"] = val["policy_accuracy"]
-                    shown["val/accuracy"] = val["accuracy"]
-                progress.update(step, shown)
-            if step < cfg.max_num_steps:
-                raise interrupted("dpo", step, cfg.max_num_steps, None, None)
-            if cfg.save_final_model:
-                policy.save_hf(str(out / "hf"))
-    finally:
-        progress.close()
-        metrics_log.close()
-    return last
+
+    def next_batch():
+        idx = next(batches)
+        return training_batch([train[i] for i in idx], [refs[i] for i in idx], pad_id, gbs)
+
+    validate = (lambda step: evaluate(policy, loss, heldout, held_refs, pad_id)) if heldout else None
+    returned = ("accuracy", "loss", "policy_accuracy")
+    return train_steps("dpo", policy, loss, next_batch, out, cfg, validate, returned, "policy_accuracy")

@@ -50,6 +50,20 @@ class GRPOLoopConfig(GroupConfig):
         return v
 
 
+DISTILLATION_LEARNS_FROM_EVERY_GROUP = (
+    "distillation learns from every group (its advantages come from the teacher)"
+)
+
+
+def refuse_dynamic_sampling(loop: GRPOLoopConfig, why: str) -> None:
+    """Refuse `grpo.dynamic_sampling` in a run whose advantages do not come from the group (`why`)."""
+    if loop.dynamic_sampling:
+        raise ValueError(
+            f"grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but {why}: set "
+            "grpo.dynamic_sampling=false"
+        )
+
+
 class GRPORunSections(Config):
     """The sections every GRPO run has, synchronous or asynchronous (each means the same in both)."""
 

@@ -31,7 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from tensordict import TensorDict
 
 from posttrain.algorithms import grpo
-from posttrain.algorithms.grpo_config import GRPOLoopConfig
+from posttrain.algorithms.grpo_config import GRPOLoopConfig, refuse_dynamic_sampling
 from posttrain.algorithms.losses import ValueLoss, kl_penalty, token_weights
 from posttrain.config import Config
 from posttrain.generation.sampler import derive_seed
@@ -123,11 +123,9 @@ class PPOConfig(grpo.GRPOConfig):
 
     @model_validator(mode="after")
     def _check_ppo(self) -> PPOConfig:
-        if self.grpo.dynamic_sampling:
-            raise ValueError(
-                "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but PPO's baseline is "
-                "the critic, not the group (a group of one always looks flat): set grpo.dynamic_sampling=false"
-            )
+        refuse_dynamic_sampling(
+            self.grpo, "PPO's baseline is the critic, not the group (a group of one always looks flat)"
+        )
         if self.ppo.kl_coef > 0 and not (self.policy.init_reference_model or self.policy.lora is not None):
             raise ValueError(
                 "ppo.kl_coef > 0 puts KL(pi || pi_ref) in the reward, but policy.init_reference_model=false "

@@ -15,7 +15,6 @@ of an even number of rows; dynamic batching and packing cut whole pairs).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,9 @@ from pydantic import Field, model_validator
 
 from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
-from posttrain.algorithms.runs import (
-    StopOnInterrupt,
-    interrupted,
-    open_metrics,
-    run_policy,
-    shuffled_batches,
-    write_config,
-)
+from posttrain.algorithms.runs import run_policy, shuffled_batches, train_steps, write_config
 from posttrain.config import Config
-from posttrain.logging import LoggingConfig, StepProgress, get_logger
+from posttrain.logging import LoggingConfig, get_logger
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
@@ -124,43 +116,18 @@ def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:
     write_config(out, cfg)
     loss = BradleyTerryLoss(cfg.loss)
     gbs = cfg.policy.train_global_batch_size
-    metrics_log = open_metrics(out, cfg.logging, resume_step=None)
-    progress = StepProgress(cfg.max_num_steps, "rm", ("train/loss", "val/accuracy"), cfg.logging.progress_bar)
-    last: dict[str, float] = {}
+    batches = shuffled_batches(len(train), gbs // 2, cfg.seed)
 
-    def validate(step: int) -> None:
+    def validate(step: int) -> dict[str, float]:
         policy.prepare_for_lp_inference()
         val = held_out(policy, heldout, pad_id)
         policy.prepare_for_training()
-        metrics_log.log(val, step, prefix="val")
-        last.update({f"val_{k}": v for k, v in val.items()})
+        return val
 
-    if heldout:
-        validate(0)
-        last["val_accuracy_at_start"] = last["val_accuracy"]
-    batches = shuffled_batches(len(train), gbs // 2, cfg.seed)
-    step = 0
-    try:
-        with StopOnInterrupt("rm", saves=False) as stop:
-            while step < cfg.max_num_steps and not stop.requested:
-                step += 1
-                t = time.perf_counter()
-                batch = pair_rows([train[i] for i in next(batches)], pad_id, gbs)
-                last.update(policy.train(batch, loss))
-                last["step_time_s"] = time.perf_counter() - t
-                metrics_log.log(
-                    {k: v for k, v in last.items() if not k.startswith("val")}, step, prefix="train"
-                )
-                shown = {"train/loss": last["loss"]}
-                if heldout and (step == cfg.max_num_steps or (cfg.val_period and step % cfg.val_period == 0)):
-                    validate(step)
-                    shown["val/accuracy"] = last["val_accuracy"]
-                progress.update(step, shown)
-            if step < cfg.max_num_steps:
-                raise interrupted("rm", step, cfg.max_num_steps, None, None)
-            if cfg.save_final_model:
-                policy.save_hf(str(out / "hf"))
-    finally:
-        progress.close()
-        metrics_log.close()
-    return last
+    def next_batch():
+        return pair_rows([train[i] for i in next(batches)], pad_id, gbs)
+
+    returned = ("accuracy", "reward_margin", "loss")
+    return train_steps(
+        "rm", policy, loss, next_batch, out, cfg, validate if heldout else None, returned, "accuracy"
+    )

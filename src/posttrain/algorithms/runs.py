@@ -4,7 +4,8 @@ checkpoint to continue from with its config check (`resume`), and the run's hist
 output directory (`check_fresh_start` refuses to start a new run over an old one without consent,
 `start_history` clears it with consent), config.yaml written after the resume check (a refused resume
 leaves the run's config as it was) and a metrics log holding each step once (rows after the resumed
-step are dropped). `StopOnInterrupt` turns Ctrl-C into a stop at the next step boundary.
+step are dropped). `StopOnInterrupt` turns Ctrl-C into a stop at the next step boundary; `train_steps`
+is the step loop of the preference runs (DPO, reward models).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import random
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
 from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
-from posttrain.logging import LoggingConfig, MetricsLogger, get_logger
+from posttrain.logging import LoggingConfig, MetricsLogger, StepProgress, get_logger
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
@@ -276,3 +278,64 @@ def interrupted(
     else:
         how = "nothing to save yet; a new run starts over"
     return RunInterrupted(f"{where}: {how}", step, saved)
+
+
+# --------------------------------------------------------------------------- a loop of optimizer steps
+
+
+def train_steps(
+    what: str,
+    policy: Policy,
+    loss: Any,
+    next_batch: Callable[[], Any],
+    out: Path,
+    cfg: Any,
+    validate: Callable[[int], dict[str, float]] | None = None,
+    returned: tuple[str, ...] = (),
+    at_start: str | None = None,
+) -> dict[str, float]:
+    """The step loop of the preference runs (dpo.py, rm.py). `cfg.max_num_steps` optimizer steps, each on
+    `next_batch()` (timed with it), its metrics logged under train/. With `validate` (None: nothing held
+    out): at step 0, every `cfg.val_period` steps and at the last, `validate(step)` measures the held-out
+    metrics, logged under val/ (the progress bar shows their `accuracy`); the `returned` ones come back as
+    `val_<name>`, and `at_start`'s step-0 value as `val_<at_start>_at_start`. Ctrl-C stops after the
+    current step (`RunInterrupted`; nothing is saved); at the end the model is saved as `<out>/hf` when
+    `cfg.save_final_model`. Returns the last step's metrics and those held-out ones."""
+    metrics_log = open_metrics(out, cfg.logging, resume_step=None)
+    progress = StepProgress(cfg.max_num_steps, what, ("train/loss", "val/accuracy"), cfg.logging.progress_bar)
+    last: dict[str, float] = {}
+    held: dict[str, float] = {}
+
+    def check(step: int) -> float:
+        val = validate(step)
+        metrics_log.log(val, step, prefix="val")
+        held.update({f"val_{k}": val[k] for k in returned})
+        return val["accuracy"]
+
+    step = 0
+    try:
+        if validate is not None:
+            check(0)
+            if at_start is not None:
+                held[f"val_{at_start}_at_start"] = held[f"val_{at_start}"]
+        with StopOnInterrupt(what, saves=False) as stop:
+            while step < cfg.max_num_steps and not stop.requested:
+                step += 1
+                t = time.perf_counter()
+                last.update(policy.train(next_batch(), loss))
+                last["step_time_s"] = time.perf_counter() - t
+                metrics_log.log(last, step, prefix="train")
+                shown = {"train/loss": last["loss"]}
+                if validate is not None and (
+                    step == cfg.max_num_steps or (cfg.val_period and step % cfg.val_period == 0)
+                ):
+                    shown["val/accuracy"] = check(step)
+                progress.update(step, shown)
+            if step < cfg.max_num_steps:
+                raise interrupted(what, step, cfg.max_num_steps, None, None)
+            if cfg.save_final_model:
+                policy.save_hf(str(out / "hf"))
+    finally:
+        progress.close()
+        metrics_log.close()
+    return {**last, **held}

@@ -28,7 +28,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from posttrain.parallel.mesh import _groups_along
+from posttrain.parallel.mesh import groups_along
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
@@ -79,7 +79,7 @@ def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
         return dp_mesh
     backend = "nccl" if dp_mesh.device_type == "cuda" else "gloo"
     ranks = torch.arange(dist.get_world_size()).view(dp // ep, ep)
-    groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("ep_replicate", "ep"))]
+    groups = [groups_along(ranks, d, backend, name) for d, name in enumerate(("ep_replicate", "ep"))]
     return DeviceMesh.from_group(
         groups, dp_mesh.device_type, mesh=ranks, mesh_dim_names=("ep_replicate", "ep")
     )
@@ -102,15 +102,23 @@ def apply_ep(model: torch.nn.Module, dp_mesh: DeviceMesh, ep: int) -> set[torch.
     return params
 
 
-def sync_expert_grads(model: torch.nn.Module) -> None:
-    """Sum the expert gradients over the replica rows of a (dp/ep, ep) expert mesh (no-op otherwise)."""
-    for experts in expert_modules(model):
-        for name in EXPERT_TENSORS:
-            p = getattr(experts, name)
-            if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
-                if p.grad is None:  # every rank of the row joins the all-reduce, used or not
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(0))
+def replicated_experts(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The expert parameters replicated over the rows of a (dp/ep, ep) expert mesh (empty for a dense
+    model, one rank, or ep = dp): what `sync_expert_grads` sums. Found once, not on every step."""
+    return [
+        p
+        for experts in expert_modules(model)
+        for p in (getattr(experts, name) for name in EXPERT_TENSORS)
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 2
+    ]
+
+
+def sync_expert_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients of `params` (`replicated_experts`) over the replica rows of their mesh."""
+    for p in params:
+        if p.grad is None:  # every rank of the row joins the all-reduce, used or not
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(0))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ class Meshes:
         return [m for m in (self.root, self.fsdp, self.tp, self.cp, self.dp) if m is not None]
 
 
-def _groups_along(ranks: torch.Tensor, dim: int, backend: str, desc: str) -> dist.ProcessGroup:
+def groups_along(ranks: torch.Tensor, dim: int, backend: str, desc: str) -> dist.ProcessGroup:
     """Create (world-collectively) every group along `dim` of the rank grid; return this rank's."""
     mine = None
     me = dist.get_rank()
@@ -129,7 +129,7 @@ def build_mesh(device: torch.device, tp: int = 1, cp: int = 1) -> Meshes:
     backend = "nccl" if device.type == "cuda" else "gloo"
     world = dist.get_world_size()
     ranks = torch.arange(world).view(world // (cp * tp), cp, tp)
-    groups = [_groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
+    groups = [groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
     root = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=("dp", "cp", "tp"))
     dp_cp = root["dp", "cp"]
     if "backend_override" in inspect.signature(dp_cp._flatten).parameters:

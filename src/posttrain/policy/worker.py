@@ -42,7 +42,7 @@ from posttrain.models.scalar_head import model_outputs, shares_prefix
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
 from posttrain.parallel import mesh as pmesh
-from posttrain.parallel.expert_parallel import sync_expert_grads
+from posttrain.parallel.expert_parallel import replicated_experts, sync_expert_grads
 from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
@@ -92,6 +92,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
+        self._replicated_experts = replicated_experts(self.model)
         # with LoRA the reference is the same model with its adapters disabled: nothing to keep
         keep_reference = cfg.init_reference_model and cfg.lora is None
         self.reference_weights = self._snapshot_weights() if keep_reference else None
@@ -309,7 +310,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def _apply_gradients(self, n: float) -> dict[str, float]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         with torch.no_grad():
-            sync_expert_grads(self.model)  # expert parallelism over several replica rows
+            sync_expert_grads(self._replicated_experts)  # expert parallelism over several replica rows
             torch._foreach_div_([p.grad for p in params], n)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         grad_norm = pmesh.clip_grad_norm(params, max_norm)

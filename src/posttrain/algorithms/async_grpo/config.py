@@ -10,7 +10,12 @@ from pydantic import Field, model_validator
 
 from posttrain.algorithms.async_grpo.ledger import Selection
 from posttrain.algorithms.distill_core import DistillSettings
-from posttrain.algorithms.grpo_config import GRPOLoopConfig, GRPORunSections
+from posttrain.algorithms.grpo_config import (
+    DISTILLATION_LEARNS_FROM_EVERY_GROUP,
+    GRPOLoopConfig,
+    GRPORunSections,
+    refuse_dynamic_sampling,
+)
 from posttrain.algorithms.losses import ClippedPGConfig
 from posttrain.config import Config
 from posttrain.rollout.config import RolloutConfig, RolloutWorkerConfig
@@ -150,12 +155,8 @@ class AsyncGRPORunConfig(GRPORunSections):
             if getattr(self.grpo, name) != getattr(defaults, name):
                 where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
                 raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
-        if self.distill is not None and self.grpo.dynamic_sampling:
-            raise ValueError(
-                "grpo.dynamic_sampling drops prompt groups whose rewards are all equal, but distillation "
-                "learns from every group (its advantages come from the teacher): set "
-                "grpo.dynamic_sampling=false"
-            )
+        if self.distill is not None:
+            refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
         return self
 
 
