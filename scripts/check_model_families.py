@@ -188,12 +188,13 @@ def check_train(model, data) -> dict:
 
 
 def check_tp(model) -> str:
-    from posttrain.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES, _from_hf_plan
+    from posttrain.parallel.tensor_parallel import SUPPORTED_MODEL_TYPES, _from_hf_plan, moe_block
 
     if model.config.model_type in SUPPORTED_MODEL_TYPES:
         names = {n.split(".", 3)[-1] for n, _ in model.named_modules() if n.startswith("model.layers.0.")}
-        need = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}  # fmt: skip
+        need = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+        if not moe_block(model.model.layers[0]):  # an MoE block stays whole under tensor parallelism
+            need |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
         return "ours" if need <= names else f"ours, but missing {sorted(need - names)}"
     try:
         return f"hf plan ({len(_from_hf_plan(model.config))} entries)"

@@ -234,14 +234,26 @@ def test_a_grpo_run_with_routing_replay_trains_and_logs_the_disagreement(tmp_pat
 
 def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):
     with pytest.raises(
-        ValueError, match="routing_replay=rollout \\(or a router loss\\) with tensor or context parallelism"
+        ValueError, match="routing_replay=rollout \\(or a router loss\\) with context parallelism"
     ):
         PolicyConfig(
             moe={"routing_replay": "rollout"},
-            parallel={"tensor_parallel_size": 2},
+            parallel={"context_parallel_size": 2},
             cluster={"backend": "ray", "num_workers": 2},
             train_global_batch_size=2,
         )
+    PolicyConfig(  # tensor parallelism leaves MoE blocks whole: replay runs there
+        moe={"routing_replay": "rollout"},
+        parallel={"tensor_parallel_size": 2},
+        cluster={"backend": "ray", "num_workers": 2},
+        train_global_batch_size=2,
+    )
+    from posttrain.parallel.dims import ParallelDims
+    from posttrain.parallel.tensor_parallel import check_parallel_support
+
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for model type 'olmoe'"):
+        check_parallel_support(family_config("olmoe", len(TOK)), ParallelDims(2, tp=2))
+    check_parallel_support(family_config("mixtral", len(TOK)), ParallelDims(2, tp=2, sequence_parallel=True))
     assert set(MOE_FAMILIES) <= set(FAMILIES)
 
 
@@ -348,8 +360,11 @@ def test_expert_parallel_layouts_and_models_it_cannot_shard_are_refused():
     from posttrain.parallel.dims import ParallelDims
     from posttrain.parallel.expert_parallel import check_expert_parallel
 
-    with pytest.raises(ValueError, match="use tensor_parallel_size=1"):
-        ParallelDims(4, ep=2, tp=2)
+    with pytest.raises(ValueError, match="use context_parallel_size=1"):
+        ParallelDims(4, ep=2, cp=2)
+    with pytest.raises(ValueError, match="divides the data-parallel size 2"):
+        ParallelDims(4, ep=4, tp=2)
+    ParallelDims(4, ep=2, tp=2)  # each tensor-parallel index has its own expert group
     with pytest.raises(ValueError, match="divides the data-parallel size 6"):
         ParallelDims(6, ep=4)
     ParallelDims(4, ep=2)  # dp=4: two groups of two ranks, each holding all experts between them

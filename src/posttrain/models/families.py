@@ -35,8 +35,9 @@ class Support:
 
 
 MOE = (
-    "mixture of experts (transformers' fused experts, one rank or data parallel; routing replay: "
-    "policy.moe.routing_replay); tensor and context parallelism: no plan for its experts yet"
+    "mixture of experts (transformers' fused experts; data, expert, tensor and context parallelism, the "
+    "experts unsplit by tensor parallelism; routing replay and router losses: policy.moe, not with context "
+    "parallelism)"
 )
 
 SUPPORTED: dict[str, Support] = {
@@ -60,9 +61,12 @@ SUPPORTED: dict[str, Support] = {
         f"for its experts; context parallelism does not implement attention sinks (it gave wrong logprobs); "
         f"{ENGINE_WINDOWS}"
     ),
-    "qwen3_moe": Support(notes=MOE),
-    "mixtral": Support(notes=f"{MOE}; {ENGINE_WINDOWS}"),
-    "olmoe": Support(notes=MOE),
+    "qwen3_moe": Support(tensor_parallel=True, context_parallel=True, notes=MOE),
+    "mixtral": Support(tensor_parallel=True, context_parallel=True, notes=f"{MOE}; {ENGINE_WINDOWS}"),
+    "olmoe": Support(
+        context_parallel=True,
+        notes=f"{MOE}; tensor parallelism: no colwise/rowwise plan (q/k norms span all heads)",
+    ),
     "phi3": Support(context_parallel=True, notes="tensor parallelism: no colwise/rowwise plan (fused qkv)"),
     "olmo2": Support(context_parallel=True, notes="tensor parallelism: no colwise/rowwise plan"),
     "granite": Support(tensor_parallel=True, context_parallel=True),

@@ -113,13 +113,18 @@ def replay_routing(model: torch.nn.Module, replay: torch.Tensor, stats: ReplaySt
                 router.forward = before
 
 
-def microbatch_routing(data: Any, packed: Any = None) -> torch.Tensor:
+def microbatch_routing(data: Any, packed: Any = None, multiple: int = 1) -> torch.Tensor:
     """A micro-batch's `routing` [b, t, L, k] as the [N, L, k] replay of its model call: row-major over
-    the padded [b, t], or the rows' real tokens end to end for a packed row."""
+    the padded [b, t], or the rows' real tokens end to end for a packed row; each row padded (NO_RECORD)
+    to a multiple of `multiple` where the call pads it so (sequence parallelism)."""
     routing = data["routing"]
-    if packed is None:
-        return routing.reshape(-1, *routing.shape[2:])
-    return torch.cat([routing[i, :n] for i, n in enumerate(packed.lengths)])
+    if packed is not None:
+        routing = torch.cat([routing[i, :n] for i, n in enumerate(packed.lengths)])[None]
+    t = routing.shape[1]
+    pad = -(-t // multiple) * multiple - t
+    if pad:
+        routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, pad), value=NO_RECORD)
+    return routing.reshape(-1, *routing.shape[2:])
 
 
 @contextlib.contextmanager

@@ -50,12 +50,12 @@ class ParallelDims:
             )
         if self.world > 1 and self.fsdp == "never":
             raise ValueError("parallel.fsdp='never' needs a single rank; use fsdp='auto' for several ranks")
-        if self.ep > 1 and (self.tp > 1 or self.cp > 1 or self.dp % self.ep):
+        if self.ep > 1 and (self.cp > 1 or self.dp % self.ep):
             raise ValueError(
-                f"expert_parallel_size={self.ep} with tensor_parallel_size={self.tp}, context_parallel_size="
-                f"{self.cp} over {self.world} ranks: expert parallelism shards the experts over groups of "
-                f"data-parallel ranks; use tensor_parallel_size=1, context_parallel_size=1 and an "
-                f"expert_parallel_size that divides the data-parallel size {self.world // (self.tp * self.cp)}"
+                f"expert_parallel_size={self.ep} with context_parallel_size={self.cp} over {self.world} ranks "
+                f"(tensor_parallel_size={self.tp}): expert parallelism shards the experts over groups of "
+                f"data-parallel ranks; use context_parallel_size=1 and an expert_parallel_size that divides "
+                f"the data-parallel size {self.world // (self.tp * self.cp)}"
             )
 
     # ------------------------------------------------------------------ sizes and derived facts

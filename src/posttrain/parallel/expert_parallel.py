@@ -1,8 +1,10 @@
 """Expert parallelism (`parallel.expert_parallel_size`): the experts of every MoE layer sharded over the
 data-parallel ranks, tokens sent to the rank that holds their expert and back by all-to-all.
 
-Layout: ep divides the data-parallel size dp (tp = cp = 1). The dp ranks form a (dp/ep, ep) grid, rank
-= replica x ep + e: each row of ep ranks is one expert group. Each fused expert tensor of transformers'
+Layout: ep divides the data-parallel size dp (cp = 1). The dp ranks of one tensor-parallel index form a
+(dp/ep, ep) grid, dp index = replica x ep + e: each row of ep ranks is one expert group. Under tensor
+parallelism (parallel/tensor_parallel.py leaves MoE blocks unsplit) each tensor-parallel index has its
+own groups: the ranks of a tensor-parallel group hold the same experts and exchange the same tokens. Each fused expert tensor of transformers'
 MoE experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) becomes a DTensor sharded on dim 0 over
 the group (replicated over the dp/ep rows), so rank e of a group holds experts [e E/ep, (e+1) E/ep)
 whole; FSDP2 leaves them alone (`ignored_params`) and shards everything else as before. Checkpoints,
@@ -72,16 +74,19 @@ def check_expert_parallel(model: torch.nn.Module, ep: int) -> None:
 
 
 def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The mesh the experts are sharded over: `dp_mesh` itself when ep = dp, else a (dp/ep, ep) grid of
-    the same ranks (collective: every rank builds it in the same order)."""
+    """The mesh the experts are sharded over: `dp_mesh` (this rank's data-parallel ranks) itself when
+    ep = dp, else a (dp/ep, ep) grid of the same ranks (collective: every rank builds every tensor-parallel
+    index's groups in the same order; ranks are (dp, tp) row-major, mesh.py)."""
     dp = dp_mesh.size()
     if ep == dp:
         return dp_mesh
     backend = "nccl" if dp_mesh.device_type == "cuda" else "gloo"
-    ranks = torch.arange(dist.get_world_size()).view(dp // ep, ep)
+    world = dist.get_world_size()
+    ranks = torch.arange(world).view(dp // ep, ep, world // dp)
     groups = [groups_along(ranks, d, backend, name) for d, name in enumerate(("ep_replicate", "ep"))]
+    mine = ranks[..., dist.get_rank() % (world // dp)]
     return DeviceMesh.from_group(
-        groups, dp_mesh.device_type, mesh=ranks, mesh_dim_names=("ep_replicate", "ep")
+        groups, dp_mesh.device_type, mesh=mine, mesh_dim_names=("ep_replicate", "ep")
     )
 
 

@@ -18,6 +18,13 @@ replicated and B column-wise (B's output rows are the base layer's); under a row
 row-wise (its partial output summed like the base layer's) and B replicated. The adapter's output then
 has the base layer's layout, so peft's `base(x) + B(A(x)) * scaling` adds matching local tensors.
 
+A mixture-of-experts block (router and fused experts, Qwen3-MoE and Mixtral) is not split: its
+parameters stay plain tensors (FSDP2 shards them over the data-parallel ranks alone, or expert
+parallelism over its expert groups) and every rank of the group routes and runs the experts for all
+the call's tokens, from the same input, so their gradients agree without a reduction. Under sequence
+parallelism its input is all-gathered first and each rank keeps its part of the output. The router
+therefore sees every token of the call in order, as routing replay and the router losses need.
+
 Departures from HF's own `base_model_tp_plan`: our plans also shard the embedding and lm_head over the
 vocabulary and know sequence parallelism; a scalar head (`score`, reward models and critics) is
 replicated. A model type without a plan here falls back to its config's
@@ -37,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -46,9 +54,10 @@ from posttrain.models.families import check_trainable
 from posttrain.models.hf import tie_lm_head
 from posttrain.models.lora import ADAPTER, lora_layers
 from posttrain.parallel.dims import ParallelDims
+from posttrain.parallel.expert_parallel import expert_modules
 from posttrain.parallel.mesh import decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "qwen3_moe", "mixtral")
 
 
 class Replicated(ParallelStyle):
@@ -83,8 +92,9 @@ def check_tp_divides(config, tp: int) -> None:
     dims = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
     }
+    if _has_dense_mlp(config):
+        dims["intermediate_size"] = config.intermediate_size
     bad = {k: v for k, v in dims.items() if v % tp}
     if bad:
         g = math.gcd(*dims.values())
@@ -97,17 +107,34 @@ def check_tp_divides(config, tp: int) -> None:
         )
 
 
-def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _has_dense_mlp(config) -> bool:
+    """Whether some decoder layer has a dense MLP (`intermediate_size` wide): every layer of a dense
+    model; a Qwen3-MoE layer in `mlp_only_layers` or off its `decoder_sparse_step`; no Mixtral layer."""
+    if config.model_type == "mixtral":
+        return False
+    if config.model_type == "qwen3_moe" and config.num_experts > 0:
+        return bool(config.mlp_only_layers) or config.decoder_sparse_step > 1
+    return True
+
+
+def moe_block(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer's `mlp` is a mixture-of-experts block (a router beside fused experts)."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp is not None and bool(expert_modules(mlp))
+
+
+def _layer_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, ParallelStyle]:
     attn_out = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=attn_out),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=attn_out),
     }
+    if not moe:
+        plan["mlp.gate_proj"] = ColwiseParallel()
+        plan["mlp.up_proj"] = ColwiseParallel()
+        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=attn_out)
     if sequence_parallel:
         plan["self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -117,6 +144,15 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         plan["mlp"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
+        if moe:  # the block's output is whole on every rank: each keeps its part of the sequence
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
     return plan
 
 
@@ -177,7 +213,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
         parallelize_module(model.model, tp_mesh, _with_adapters(model.model, hf_plan))
     else:
         for layer in decoder_layers(model):
-            parallelize_module(layer, tp_mesh, _with_adapters(layer, _layer_plan(sequence_parallel)))
+            plan = _layer_plan(sequence_parallel, moe_block(layer))
+            parallelize_module(layer, tp_mesh, _with_adapters(layer, plan))
     embed_out = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_out)
@@ -268,8 +305,12 @@ def _adapter_styles(style: ParallelStyle) -> tuple[ParallelStyle, ParallelStyle]
 def _replicate_the_rest(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Modules still holding plain parameters (norms) become replicated DTensor modules: inside attention
     (Qwen3's per-head q/k norms) their input is this rank's heads [b, t, heads/tp, d]; elsewhere it is
-    the residual stream (sharded on the sequence under sequence parallelism)."""
+    the residual stream (sharded on the sequence under sequence parallelism). A mixture-of-experts block
+    is left as it is (see the module docstring)."""
+    skip = {id(m) for layer in decoder_layers(model) if moe_block(layer) for m in layer.mlp.modules()}
     for name, module in model.named_modules():
+        if id(module) in skip:
+            continue
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             if fnmatch.fnmatch(name, "*self_attn.*"):
                 style: ParallelStyle = Replicated(Shard(2))

@@ -105,7 +105,7 @@ class ParallelConfig(Config):
         1,
         ge=1,
         description="MoE models: ranks over which each layer's experts are sharded, tokens reaching "
-        "theirs by all-to-all; must divide the data-parallel size (tp = cp = 1) and the experts",
+        "theirs by all-to-all; must divide the data-parallel size (cp = 1) and the experts",
     )
 
     def dims(self, world: int) -> ParallelDims:
@@ -216,12 +216,11 @@ class PolicyConfig(Config):
                 "different inputs of one replicated adapter. Set policy.lora.dropout=0"
             )
         self._check_score_head()
-        split = self.parallel.tensor_parallel_size * self.parallel.context_parallel_size
-        if self.moe.shapes_calls and split > 1:
+        if self.moe.shapes_calls and self.parallel.context_parallel_size > 1:
             raise ValueError(
-                "policy.moe.routing_replay=rollout (or a router loss) with tensor or context parallelism: "
-                "they follow the tokens of an unsplit model call; use tensor_parallel_size=1 and "
-                "context_parallel_size=1 (data parallelism works)"
+                "policy.moe.routing_replay=rollout (or a router loss) with context parallelism: they follow "
+                "the tokens of an unsplit model call; use context_parallel_size=1 (data, tensor and expert "
+                "parallelism work)"
             )
         if self.parallel.sequence_parallel and self.parallel.tensor_parallel_size == 1:
             warnings.warn(

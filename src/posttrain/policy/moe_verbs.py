@@ -42,7 +42,8 @@ class RoutingVerbs:
             self._routing_stats = ReplayStats()
         stats = self._routing_stats if count and not mb.is_dummy else ReplayStats(active=False)
         stats.active = stats is self._routing_stats
-        return replay_routing(self.model, microbatch_routing(mb.data, mb.packed), stats)
+        multiple = self.split.multiple  # sequence parallelism pads each call's rows (no cp: config)
+        return replay_routing(self.model, microbatch_routing(mb.data, mb.packed, multiple), stats)
 
     def _capture(self, mb: Any, loss_fn: Any):
         """The context of a training forward: the routers' outputs captured for `loss_fn` when it is
@@ -99,13 +100,16 @@ class RouterLosses:
     def __call__(self, outputs, batch, global_valid_seqs, global_valid_toks):
         loss, metrics = self.base(outputs, batch, global_valid_seqs, global_valid_toks)
         mb, lengths = self.layout, batch["input_lengths"]
-        b, t = batch["input_ids"].shape
+        b = batch["input_ids"].shape[0]
+        calls = self.outputs[0][0].shape[0] if self.outputs else 0  # tokens of the call, padding included
         if mb.packed is None:
+            t = calls // b
             segment = torch.arange(b, device=lengths.device).repeat_interleave(t)
             keep = (torch.arange(t, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1)
         else:
-            segment = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
-            keep = torch.ones_like(segment, dtype=torch.bool)
+            real = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
+            segment = torch.nn.functional.pad(real, (0, calls - real.numel()))
+            keep = torch.arange(calls, device=lengths.device) < real.numel()
         aux, z = router_losses(self.outputs, segment, keep, b)
         trained = (batch["token_mask"][:, 1:].float()).sum(-1) * batch["sample_mask"].float()
         weight = trained if self.base.loss_type == LossType.TOKEN_LEVEL else batch["sample_mask"].float()
