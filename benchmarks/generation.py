@@ -3,8 +3,12 @@
 Same model, prompts, lengths and sampling for both: a tiny Llama (hidden 256, 4 layers, 4 heads,
 2 KV heads, MLP 512) with a 32000-token vocabulary (Llama/Mistral size), batch 64, prompts of 24-40
 tokens (mixed lengths), 64 new tokens, temperature 1.0 without top-k/top-p (the RL setting), no stop
-token. The two are run interleaved, repeated, and the medians compared. Without --quick an INFO line
-gives the same comparison with the 79-token character vocabulary of the built-in tasks.
+token; and the same with greedy decoding, where transformers does not pay for `torch.multinomial`
+over the vocabulary (the part of the sampling speedup that is its sampler). The two are run
+interleaved, repeated, and the medians compared. Each side's model FLOP/s is reported as a fraction of
+the fp32 matmul peak measured in the same run at the same thread count (benchmarks/_roofline.py).
+Without --quick an INFO line gives the same comparison with the 79-token character vocabulary of the
+built-in tasks.
 
 Weight sync: seconds per GB of fp32 parameters, in-process (`load_weights`) and to an engine in a
 spawned process over a gloo `WeightSyncGroup` (64 MiB buckets, timed until the engine has loaded).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +33,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line, run_main, start, stop, wait_for, watchdog  # noqa: E402
+from _roofline import DecoderShape, machine, matmul_peak  # noqa: E402
 
 from posttrain.generation.engine import GenerationEngine  # noqa: E402
 from posttrain.generation.params import GenerationConfig, SamplingParams  # noqa: E402
@@ -44,29 +50,25 @@ SHAPE = {
 BATCH, NEW_TOKENS = 64, 64
 
 
-def make_prompts(vocab: int) -> list[list[int]]:
+def make_prompts(vocab: int, batch: int = BATCH) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(24, 41, (BATCH,), generator=g)
+    lengths = torch.randint(24, 41, (batch,), generator=g)
     return [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in lengths]
 
 
-def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
-    """transformers generate on the left-padded batch, sampling at temperature 1, exactly `new_tokens`."""
+def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, greedy: bool = False):
+    """transformers generate on the left-padded batch, sampling at temperature 1 (or greedy), exactly
+    `new_tokens`."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         attn[i, width - len(p) :] = 1
-    cfg = HFGenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
+    sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     )
+    cfg = HFGenerationConfig(**sampling, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
 
     def run() -> int:
         with torch.inference_mode():
@@ -77,9 +79,12 @@ def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
     return run
 
 
-def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
-    engine = GenerationEngine(model, None, GenerationConfig(max_num_seqs=BATCH, max_model_len=128))
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0, stop_at_eos=False)
+def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, greedy: bool = False):
+    longest = max(map(len, prompts)) + new_tokens
+    engine = GenerationEngine(model, None, GenerationConfig(max_num_seqs=len(prompts), max_model_len=longest))
+    params = SamplingParams(
+        temperature=1.0, greedy=greedy, max_new_tokens=new_tokens, seed=0, stop_at_eos=False
+    )
 
     def run() -> int:
         results = engine.generate(prompts, params)
@@ -89,12 +94,40 @@ def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS)
     return run
 
 
-def throughput(vocab: int, repeats: int) -> tuple[float, float, float]:
-    """Median tokens/s of the engine and of transformers (interleaved runs) and the median ratio."""
-    ours_model = build_tiny_model(vocab, seed=0, **SHAPE).eval()
-    ref_model = build_tiny_model(vocab, seed=0, **SHAPE).eval()  # same weights, untouched by the engine
-    prompts = make_prompts(vocab)
-    ours, ref = engine_runner(ours_model, prompts), hf_runner(ref_model, prompts)
+@dataclass
+class Comparison:
+    """Engine vs transformers on one job: medians of interleaved runs."""
+
+    ours_s: float  # seconds per generate call
+    ref_s: float
+    ratio: float  # median over paired runs of ref / ours
+    tokens: int  # new tokens per call
+    flops: int  # model FLOPs per call (benchmarks/_roofline.py)
+
+    @property
+    def ours_tps(self) -> float:
+        return self.tokens / self.ours_s
+
+    @property
+    def ref_tps(self) -> float:
+        return self.tokens / self.ref_s
+
+
+def compare(
+    vocab: int,
+    repeats: int,
+    shape: dict | None = None,
+    greedy: bool = False,
+    batch: int = BATCH,
+    new_tokens: int = NEW_TOKENS,
+) -> Comparison:
+    """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts."""
+    shape = shape or SHAPE
+    ours_model = build_tiny_model(vocab, seed=0, **shape).eval()
+    ref_model = build_tiny_model(vocab, seed=0, **shape).eval()  # same weights, untouched by the engine
+    prompts = make_prompts(vocab, batch)
+    ours = engine_runner(ours_model, prompts, new_tokens, greedy)
+    ref = hf_runner(ref_model, prompts, new_tokens, greedy)
     ours(), ref()  # warm-up (first-call costs, the engine's KV cache and packed LM head)
     t_ours, t_ref = [], []
     for _ in range(repeats):
@@ -102,8 +135,15 @@ def throughput(vocab: int, repeats: int) -> tuple[float, float, float]:
             t0 = time.perf_counter()
             n = fn()
             times.append(time.perf_counter() - t0)
+    flops = DecoderShape.of(ours_model.config).generate_flops([len(p) for p in prompts], new_tokens)
     ratios = [a / b for a, b in zip(t_ref, t_ours)]
-    return n / median(t_ours), n / median(t_ref), median(ratios)
+    return Comparison(median(t_ours), median(t_ref), median(ratios), n, flops)
+
+
+def throughput(vocab: int, repeats: int) -> tuple[float, float, float]:
+    """Median tokens/s of the engine and of transformers (interleaved runs, sampling) and the ratio."""
+    c = compare(vocab, repeats)
+    return c.ours_tps, c.ref_tps, c.ratio
 
 
 # ---------------------------------------------------------------------------- weight sync
@@ -184,10 +224,18 @@ def main() -> None:
     vocab = 32000
     print(f"model: tiny llama {SHAPE}, vocab {vocab}; batch {BATCH}, prompts 24-40, {NEW_TOKENS} new tokens")
     print(f"threads {threads}, repeats {repeats} (interleaved), medians")
-    ours, ref, ratio = throughput(vocab, repeats)
-    print(f"engine        {ours:10.1f} tok/s")
-    print(f"transformers  {ref:10.1f} tok/s")
-    print(f"ratio (median of paired runs) {ratio:.2f}x")
+    print(f"machine: {machine()}")
+    peak = matmul_peak()
+    print(f"roofline: fp32 matmul peak {peak:.1f} GFLOP/s at {threads} thread(s), measured now")
+    results = {mode: compare(vocab, repeats, greedy=mode == "greedy") for mode in ("sampling", "greedy")}
+    for mode, c in results.items():
+        print(
+            f"{mode:8s} engine {c.ours_tps:8.1f} tok/s ({c.flops / c.ours_s / 1e9:5.1f} GFLOP/s, "
+            f"{c.flops / c.ours_s / 1e9 / peak:.0%} of peak)   transformers {c.ref_tps:8.1f} tok/s "
+            f"({c.flops / c.ref_s / 1e9:5.1f} GFLOP/s, {c.flops / c.ref_s / 1e9 / peak:.0%})   "
+            f"ratio (median of paired runs) {c.ratio:.2f}x"
+        )
+    ratio = results["sampling"].ratio
     if not args.quick:
         small_ours, small_ref, small_ratio = throughput(79, repeats)
         print(
@@ -207,6 +255,7 @@ def main() -> None:
     print(f"weight sync in-process          {local:.3f} s/GB")
     print(f"weight sync across processes    {remote:.3f} s/GB (gloo, 64 MiB buckets)")
     print(result_line("gen_speedup_vs_hf", ratio, ">=3"))
+    print(result_line("gen_speedup_vs_hf_greedy", results["greedy"].ratio, ">=1"))
     print(result_line("weight_sync_inprocess_s_per_gb", local, "<=2"))
     print(result_line("weight_sync_xproc_s_per_gb", remote, "<=20"))
 

@@ -1,7 +1,9 @@
 """Training throughput: `Policy.train` vs a hand-written PyTorch loop on the same model and data.
 
 Both do forward + backward over the same micro-batches (gradient accumulation), clip the gradient
-norm and take one AdamW step per global batch. Interleaved repeats; medians and the ratio printed.
+norm and take one AdamW step per global batch. Interleaved repeats; medians and the ratio printed,
+with each side's model FLOP/s and its fraction of the fp32 matmul peak measured in the same run
+(benchmarks/_roofline.py).
 
     python benchmarks/train_throughput.py [--quick]
 """
@@ -10,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line, time_repeats  # noqa: E402
+from _roofline import DecoderShape, machine, matmul_peak  # noqa: E402
 
 from posttrain.algorithms.losses import NLLLoss  # noqa: E402
 from posttrain.data.batch import make_batch  # noqa: E402
 from posttrain.models.hf import build_tiny_model  # noqa: E402
+from posttrain.models.tokenizer import build_char_tokenizer  # noqa: E402
 from posttrain.policy.config import PolicyConfig  # noqa: E402
 from posttrain.policy.policy import Policy  # noqa: E402
 
@@ -56,37 +61,61 @@ def handwritten_step(model, opt, batch, mbs: int) -> None:
     opt.step()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    b, t, mbs = (8, 128, 4) if args.quick else (16, 256, 4)
-    repeats = 3 if args.quick else 7
+def compare_train(
+    shape: dict, vocab: int, b: int, t: int, mbs: int, repeats: int
+) -> tuple[list[float], list[float], int]:
+    """Seconds per step of `Policy.train` and of the hand-written loop (interleaved repeats) on a model of
+    `shape` with a `vocab`-token vocabulary, global batch b x t in micro-batches of `mbs` rows; and the
+    model FLOPs of one step."""
     torch.manual_seed(0)
-    cfg = PolicyConfig.model_validate(
-        {
-            "model": {"tiny": SHAPE},
-            "train_global_batch_size": b,
-            "microbatch": {"train_micro_batch_size": mbs},
-            "optimizer": {"lr": 1e-4},
-            "init_reference_model": False,
-        }
-    )
-    policy = Policy(cfg)
-    vocab = len(policy.group.workers[0].tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(vocab, seed=0, **shape).save_pretrained(tmp)  # ids are random: any tokenizer
+        build_char_tokenizer().save_pretrained(tmp)
+        cfg = PolicyConfig.model_validate(
+            {
+                "model": {"name": tmp},
+                "train_global_batch_size": b,
+                "microbatch": {"train_micro_batch_size": mbs},
+                "optimizer": {"lr": 1e-4},
+                "init_reference_model": False,
+            }
+        )
+        policy = Policy(cfg)
     batch = make_data(b, t, vocab)
-    model = build_tiny_model(vocab, seed=0, **SHAPE)
+    model = build_tiny_model(vocab, seed=0, **shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     loss_fn = NLLLoss()
     ours, ref = [], []
     for _ in range(repeats):  # interleave to share the machine's noise
         ours += time_repeats(lambda: policy.train(batch, loss_fn), 1)
         ref += time_repeats(lambda: handwritten_step(model, opt, batch, mbs), 1)
-    tokens = float(batch["input_lengths"].sum())
+    policy.shutdown()
+    flops = DecoderShape.of(model.config).train_flops(batch["input_lengths"].tolist())
+    return ours, ref, flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    b, t, mbs = (8, 128, 4) if args.quick else (16, 256, 4)
+    repeats = 3 if args.quick else 7
+    vocab = len(build_char_tokenizer())
+    print(f"machine: {machine()}")
+    peak = matmul_peak()
+    ours, ref, flops = compare_train(SHAPE, vocab, b, t, mbs, repeats)
+    tokens = b * t
     tps_ours, tps_ref = tokens / median(ours), tokens / median(ref)
-    print(f"batch {b}x{t}, micro-batch {mbs}, model {SHAPE}, threads {torch.get_num_threads()}")
-    print(f"posttrain Policy.train : median {median(ours) * 1e3:8.1f} ms/step  {tps_ours:10.0f} tokens/s")
-    print(f"hand-written loop      : median {median(ref) * 1e3:8.1f} ms/step  {tps_ref:10.0f} tokens/s")
+    print(
+        f"batch {b}x{t}, micro-batch {mbs}, model {SHAPE}, vocab {vocab}, threads {torch.get_num_threads()}"
+    )
+    print(f"roofline: fp32 matmul peak {peak:.1f} GFLOP/s, measured now; {flops / 1e9:.1f} GFLOP per step")
+    for name, times, tps in (("posttrain Policy.train", ours, tps_ours), ("hand-written loop", ref, tps_ref)):
+        gflops = flops / median(times) / 1e9
+        print(
+            f"{name:22s} : median {median(times) * 1e3:8.1f} ms/step  {tps:10.0f} tokens/s  "
+            f"{gflops:6.1f} GFLOP/s ({gflops / peak:.0%} of peak)"
+        )
     print(result_line("train_vs_handwritten", tps_ours / tps_ref, ">=0.9"))
 
 

@@ -41,6 +41,7 @@ import multiprocessing as mp
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -149,44 +150,55 @@ def warm_start(s: Setting, out: Path, model: dict | None = None, source: dict | 
 # --------------------------------------------------------------------------- the two sides
 
 
-def posttrain_config(s, init: Path, out: Path, seed: int, source: dict, max_new_tokens: int):
+def _merged(base: dict, extra: dict) -> dict:
+    """`base` with the keys of `extra` set; where both hold a section (a dict), merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _merged(base[key], value) if both else value
+    return out
+
+
+def posttrain_config(
+    s, init: Path, out: Path, seed: int, source: dict, max_new_tokens: int, overrides: dict | None = None
+):
     """The posttrain side's GRPOConfig for setting `s` from `init`; `source` is the `task:` or `env:`
-    section (this benchmark and benchmarks/multiturn.py share it)."""
+    section (this benchmark and benchmarks/multiturn.py share it); `overrides` sets further keys,
+    section by section (e.g. {"sampling": {"stop_at_eos": False}})."""
     from posttrain.algorithms import grpo
 
     n = s.samples_per_step
-    return grpo.GRPOConfig.model_validate(
-        {
-            "policy": {
-                "model": {"name": str(init)},
-                "train_global_batch_size": n,
-                "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
-                "optimizer": {"lr": s.lr},
-                "max_grad_norm": s.max_grad_norm,
-                "logprob_temperature": s.temperature,
-                "init_reference_model": False,
-            },
-            **source,
-            "generation": {"max_num_seqs": n},
-            "sampling": {"max_new_tokens": max_new_tokens, "temperature": s.temperature},
-            "loss": {
-                "ratio_clip_min": s.clip_eps,
-                "ratio_clip_max": s.clip_eps,
-                "reference_policy_kl_penalty": 0.0,
-            },
-            "grpo": {
-                "num_prompts_per_step": s.prompts_per_step,
-                "num_generations_per_prompt": s.generations,
-                "max_num_steps": s.steps,
-                "val_period": 0,
-                "val_at_start": False,
-                "seed": seed,
-            },
-            "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
-            "logging": {"progress_bar": False},
-            "output_dir": str(out),
-        }
-    )
+    base = {
+        "policy": {
+            "model": {"name": str(init)},
+            "train_global_batch_size": n,
+            "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
+            "optimizer": {"lr": s.lr},
+            "max_grad_norm": s.max_grad_norm,
+            "logprob_temperature": s.temperature,
+            "init_reference_model": False,
+        },
+        **source,
+        "generation": {"max_num_seqs": n},
+        "sampling": {"max_new_tokens": max_new_tokens, "temperature": s.temperature},
+        "loss": {
+            "ratio_clip_min": s.clip_eps,
+            "ratio_clip_max": s.clip_eps,
+            "reference_policy_kl_penalty": 0.0,
+        },
+        "grpo": {
+            "num_prompts_per_step": s.prompts_per_step,
+            "num_generations_per_prompt": s.generations,
+            "max_num_steps": s.steps,
+            "val_period": 0,
+            "val_at_start": False,
+            "seed": seed,
+        },
+        "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
+        "logging": {"progress_bar": False},
+        "output_dir": str(out),
+    }
+    return grpo.GRPOConfig.model_validate(_merged(base, overrides or {}))
 
 
 def run_gated(cfg, gate: Lockstep):
@@ -216,16 +228,27 @@ def run_gated(cfg, gate: Lockstep):
     return times, policy, records, {k[7:-2]: median([r[k] for r in records if k in r]) for k in phases}
 
 
-def train_posttrain(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
-    """run_grpo from `init` (each step gated by `gate`); saves the final model to `<out>/final`."""
-    cfg = posttrain_config(s, init, out, seed, {"task": TASK}, s.max_new_tokens)
+def train_posttrain(
+    s: Setting,
+    init: Path,
+    out: Path,
+    seed: int,
+    gate: Lockstep,
+    overrides: dict | None = None,
+    save: bool = True,
+) -> dict:
+    """run_grpo from `init` (each step gated by `gate`; `overrides`: posttrain_config's); with `save`,
+    saves the final model to `<out>/final`."""
+    cfg = posttrain_config(s, init, out, seed, {"task": TASK}, s.max_new_tokens, overrides)
     times, policy, records, phases = run_gated(cfg, gate)
-    policy.prepare_for_lp_inference()
-    policy.save_hf(str(out / "final"))
+    if save:
+        policy.prepare_for_lp_inference()
+        policy.save_hf(str(out / "final"))
     return {
         "step_times": times,
         "phases": phases,
         "rewards": [r.get("reward", float("nan")) for r in records],
+        "completion_lengths": [r["completion_length"] for r in records],
     }
 
 
@@ -290,8 +313,17 @@ def trl_args(s, out: Path, seed: int, max_completion_length: int, **extra):
     return GRPOConfig(**{**fields, **extra})
 
 
-def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> dict:
-    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring); final model to `<out>/final`."""
+def train_trl(
+    s: Setting,
+    init: Path,
+    out: Path,
+    seed: int,
+    gate: Lockstep,
+    options: dict | None = None,
+    save: bool = True,
+) -> dict:
+    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring; `options`: further
+    GRPOConfig fields, as trl_args' `extra`); with `save`, the final model to `<out>/final`."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
@@ -309,7 +341,7 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> d
         res = task.reward([it.prompt for it in items], completions, [it.metadata for it in items])
         return [None if f else r for r, f in zip(res.rewards, res.failed)]
 
-    args = trl_args(s, out, seed, s.max_new_tokens)
+    args = trl_args(s, out, seed, s.max_new_tokens, **(options or {}))
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa")
     timer = gated_timer(gate)
     trainer = GRPOTrainer(
@@ -322,10 +354,16 @@ def train_trl(s: Setting, init: Path, out: Path, seed: int, gate: Lockstep) -> d
     )
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts on the console
     trainer.train()
-    trainer.model.save_pretrained(out / "final", safe_serialization=True)
-    tokenizer.save_pretrained(out / "final")
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"step_times": timer.times, "phases": {}, "rewards": rewards}
+    if save:
+        trainer.model.save_pretrained(out / "final", safe_serialization=True)
+        tokenizer.save_pretrained(out / "final")
+    logs = trainer.state.log_history
+    return {
+        "step_times": timer.times,
+        "phases": {},
+        "rewards": [h["reward"] for h in logs if "reward" in h],
+        "completion_lengths": [h["completions/mean_length"] for h in logs if "completions/mean_length" in h],
+    }
 
 
 SIDES = ("posttrain", "trl")
@@ -342,28 +380,58 @@ def _trainer(kind: str, side: str):
 
 
 def _side_main(
-    side: str, s, init: Path, out: Path, seed: int, gate: Lockstep, threads: int, results, kind: str
+    side: str,
+    s,
+    init: Path,
+    out: Path,
+    seed: int,
+    gate: Lockstep,
+    threads: int,
+    results,
+    kind: str,
+    train: Callable | None,
 ) -> None:
     import torch
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     gate.me = SIDES.index(side)
-    result = _trainer(kind, side)(s, init, out, seed, gate)
+    result = (train or _trainer(kind, side))(s, init, out, seed, gate)
     results[side] = {**result, "process_s": time.perf_counter() - t0}
 
 
 def run_pair(
-    s, init: Path, root: Path, seed: int, first: str, threads: int = 1, kind: str = "grpo"
+    s,
+    init: Path,
+    root: Path,
+    seed: int,
+    first: str,
+    threads: int = 1,
+    kind: str = "grpo",
+    trainers: Mapping[str, Callable] | None = None,
 ) -> dict[str, dict]:
     """One posttrain and one TRL run of section `kind` with setting `s` and `seed`, in lockstep; `first`
-    takes the first step."""
+    takes the first step. `trainers` replaces the function that trains a side (picklable, called as
+    `fn(s, init, out, seed, gate)` in the side's process, e.g. a `functools.partial` of train_posttrain
+    with overrides); by default section `kind`'s."""
+    trainers = trainers or {}
     ctx = mp.get_context("spawn")
     gate = Lockstep(ctx, SIDES.index(first))
     with ctx.Manager() as manager:
         results = manager.dict()
         args = {
-            side: (side, s, init, root / f"{side}_seed{seed}", seed, gate, threads, results, kind)
+            side: (
+                side,
+                s,
+                init,
+                root / f"{side}_seed{seed}",
+                seed,
+                gate,
+                threads,
+                results,
+                kind,
+                trainers.get(side),
+            )
             for side in SIDES
         }
         watch(start(ctx, {side: (_side_main, args[side]) for side in SIDES}), abort=gate.abort)
