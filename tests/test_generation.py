@@ -461,13 +461,16 @@ def test_weight_loading_is_checked():
         engine.load_weights(state, version=3)
 
 
-def test_packed_lm_head_follows_every_weight_change(monkeypatch):
-    """The CPU engine applies the LM head from a packed copy of its weight. A copy-load gives what a
-    fresh engine on the same weights gives; shared weights are never packed, so an in-place optimizer
-    step (fused AdamW bumps no version counter) is seen; the blocked fallback agrees too."""
+def test_packed_weights_follow_every_weight_change(monkeypatch):
+    """The CPU engine applies the LM head and the lean decoder's projections from packed copies of
+    their weights. A copy-load gives what a fresh engine on the same weights gives; shared weights are
+    never packed, so an in-place optimizer step (fused AdamW bumps no version counter) is seen; the
+    plain fallback agrees too, and the packed decode equals the plain one."""
+    import posttrain.generation.lean_decode as lean_module
     import posttrain.generation.lm_head as lm_head_module
 
     monkeypatch.setattr(lm_head_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
+    monkeypatch.setattr(lean_module, "PACK_MIN_NUMEL", 0)  # and the tiny projections
     prompts = prompts_of([4, 7, 3])
     params = SamplingParams(max_new_tokens=8, seed=4, stop_at_eos=False)
 
@@ -477,17 +480,26 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
         return [r.token_ids for r in engine.generate(prompts, params)]
 
     engine = make_engine(seed=0)
-    engine.generate(prompts, params)  # packs the seed-0 head
-    assert engine._head._packed is not None
+    packed_run = engine.generate(prompts, params)  # packs the seed-0 head and projections
+    layers = engine.model.config.num_hidden_layers
+    assert len(engine._head.packs) == 1 + 7 * layers
+    engine._head.packs.failed = True  # plain matmuls: the same tokens, logprobs within rounding
+    engine._head.drop_packed()
+    plain_run = engine.generate(prompts, params)
+    engine._head.packs.failed = False
+    assert [r.token_ids for r in packed_run] == [r.token_ids for r in plain_run]
+    for a, b in zip(packed_run, plain_run):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
     new_state = build_tiny_model(VOCAB, seed=30).state_dict()
     engine.load_weights(new_state, version=1)
+    assert len(engine._head.packs) == 0
     assert [r.token_ids for r in engine.generate(prompts, params)] == fresh(new_state)
 
     trainer = build_tiny_model(VOCAB, seed=31)
     shared = make_engine()
     shared.share_weights(trainer.state_dict(), version=1)
     shared.generate(prompts, params)
-    assert shared._head._packed is None
+    assert len(shared._head.packs) == 0
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=0.05, fused=True)
     for p in trainer.parameters():
         p.grad = torch.randn_like(p)
@@ -498,8 +510,9 @@ def test_packed_lm_head_follows_every_weight_change(monkeypatch):
     engine.load_weights(trainer.state_dict(), version=2)
     expected = trainer.lm_head(hidden).detach()
     torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
-    assert engine._head._packed is not None
-    engine._head._pack_failed, engine._head._packed = True, None  # a torch build without oneDNN
+    assert len(engine._head.packs) == 1
+    engine._head.packs.failed = True  # a torch build without oneDNN
+    engine._head.drop_packed()
     torch.testing.assert_close(engine._head(hidden), expected, rtol=0, atol=1e-5)
 
 

@@ -97,7 +97,10 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._masks = WindowMasks(config, self.max_len, self._additive)  # per layer type (windows.py)
         self._head = LMHead(model.get_output_embeddings(), self.cfg.max_num_seqs)
         self._body = plain_head_body(model)  # set: the engine applies the LM head itself
-        self._lean = LeanDecoder.for_model(model, self.max_len) if self._body is not None else None
+        lean = (
+            LeanDecoder.for_model(model, self.max_len, self._head.packs) if self._body is not None else None
+        )
+        self._lean = lean
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
@@ -468,7 +471,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         mask = self._masks.decode(self._arange[:length][None, :] <= pos[:, None])
         self.cache.plan_decode(n, pos, length)
         if self._lean is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache), self._shared)
+            hidden = self._lean(self._last[:n], pos, mask, self.cache, self._shared)
+            logits = self._head(hidden, self._shared)
         else:
             with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
                 logits = self._decode_logits(n, pos, mask)

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.generation.kv_cache import SlotKVCache
+from posttrain.generation.lm_head import PackedWeights, packed_linear
 from posttrain.generation.windows import layer_windows
 
 _FAMILIES = ("llama", "qwen2", "mistral")
+PACK_MIN_NUMEL = 1 << 16  # projections with fewer weights run as plain F.linear (packing gains little)
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -30,14 +32,17 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, mod) -> torch.Tensor:
-    """A linear layer's output; for a peft LoRA layer, its base plus each active adapter's
-    `B(A(x)) * scaling`, in peft's order of operations."""
+def _linear(x: torch.Tensor, mod, packs: PackedWeights | None = None) -> torch.Tensor:
+    """A linear layer's output (from its oneDNN-packed weight where `packs` has one); for a peft LoRA
+    layer, its base plus each active adapter's `B(A(x)) * scaling`, in peft's order of operations."""
     base = getattr(mod, "base_layer", None)
-    if base is None:
-        return F.linear(x, mod.weight, mod.bias)
-    out = F.linear(x, base.weight, base.bias)
-    if mod.disable_adapters:
+    layer = mod if base is None else base
+    packed = packs.get(layer.weight, PACK_MIN_NUMEL) if packs is not None else None
+    if packed is not None:
+        out = packed_linear(x, packed, layer.bias)
+    else:
+        out = F.linear(x, layer.weight, layer.bias)
+    if base is None or mod.disable_adapters:
         return out
     for name in mod.active_adapters:
         if name in mod.lora_A:
@@ -57,8 +62,9 @@ class LeanDecoder:
     """Decode-step forward for a supported model body; build with `LeanDecoder.for_model` (None when the
     model is not one it reproduces exactly)."""
 
-    def __init__(self, body, config) -> None:
+    def __init__(self, body, config, packs: PackedWeights | None = None) -> None:
         self.body = body
+        self.packs = packs  # oneDNN-packed projections on CPU (the engine drops them on every load)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -80,7 +86,9 @@ class LeanDecoder:
         self.scaling = [layer.self_attn.scaling for layer in body.layers]
 
     @classmethod
-    def for_model(cls, model, max_len: int | None = None) -> LeanDecoder | None:
+    def for_model(
+        cls, model, max_len: int | None = None, packs: PackedWeights | None = None
+    ) -> LeanDecoder | None:
         """The lean decoder of `model`, or None. It attends over every cached position, so a model
         with a sliding window that cuts anything at `max_len` (None: at any length) is not one."""
         config = model.config
@@ -100,14 +108,21 @@ class LeanDecoder:
                 return None
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
                 return None
-        return cls(body, config)
+        return cls(body, config, packs)
 
     def __call__(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SlotKVCache,
+        shared: bool = False,
     ) -> torch.Tensor:
         """Hidden states [n, H] after the final norm, for one token per slot 0..n-1: `ids` [n] at
-        `positions` [n]; `mask` [n, 1, 1, L] additive over the first L cached positions."""
+        `positions` [n]; `mask` [n, 1, 1, L] additive over the first L cached positions. `shared`: the
+        weights alias a trainer's tensors (never packed)."""
         n = ids.shape[0]
+        packs = None if shared else self.packs
         body = self.body
         h = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(h[:, None], positions[:, None])  # [n, 1, head_dim]
@@ -117,17 +132,17 @@ class LeanDecoder:
             self.layers
         ):
             x = _rms_norm(h, norm1)
-            q = _linear(x, q_proj).view(n, self.heads, self.head_dim)
-            k = _linear(x, k_proj).view(n, self.kv_heads, self.head_dim)
-            v = _linear(x, v_proj).view(n, self.kv_heads, self.head_dim)
+            q = _linear(x, q_proj, packs).view(n, self.heads, self.head_dim)
+            k = _linear(x, k_proj, packs).view(n, self.kv_heads, self.head_dim)
+            v = _linear(x, v_proj, packs).view(n, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.write_decode(i, rows, positions, k, v, length)
             qg = q.view(n, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling[i]).add_(mask)
             out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
-            h = h + _linear(out.reshape(n, -1), o_proj)
+            h = h + _linear(out.reshape(n, -1), o_proj, packs)
             x = _rms_norm(h, norm2)
-            gate = _linear(x, gate_proj)
-            up = _linear(x, up_proj)
-            h = h + _linear(F.silu(gate) * up, down_proj)
+            gate = _linear(x, gate_proj, packs)
+            up = _linear(x, up_proj, packs)
+            h = h + _linear(F.silu(gate) * up, down_proj, packs)
         return _rms_norm(h, body.norm)

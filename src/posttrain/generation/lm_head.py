@@ -2,8 +2,9 @@
 
 For plain-head families (Llama, Qwen2/3, Mistral: logits are exactly `lm_head(body(...))`, no bias,
 scaling or soft-capping) the engine runs the decoder body itself and applies the LM head here, only at
-the positions it samples from. On CPU the head's weight is packed once for oneDNN's matmul (re-packed
-after every load); elsewhere it is a plain `F.linear`. `sequence_logprobs` scores sequences through the
+the positions it samples from. On CPU the head's weight (and the lean decoder's projections) are
+packed once for oneDNN's matmul (re-packed after every load, `PackedWeights`); elsewhere it is a plain
+`F.linear`. `sequence_logprobs` scores sequences through the
 same head, so the probe check after a weight sync covers the path generation takes.
 """
 
@@ -36,28 +37,70 @@ def plain_head_body(model):
     return getattr(model, "model", None) if plain else None
 
 
+class PackedWeights:
+    """oneDNN copies of fp32 CPU weights, packed for matmuls of up to `max_rows` rows (about 1.6-1.9x
+    the GFLOP/s of `F.linear` on decode-sized inputs, e.g. [32, 768] x [768, 2816]: ~180 against ~105
+    GFLOP/s on two threads, the fp32 matmul peak being ~200; benchmarks/RESULTS.md), made on first use
+    and kept by the weight's storage. Loads write through `.data` and bump no version counter, so the
+    engine drops every copy on each load, sleep and wake (`drop`); weights shared with a trainer are
+    never packed (an in-place optimizer step would not reach the copy)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._packs: dict[tuple, torch.Tensor] = {}  # (storage pointer, shape) -> packed weight
+        self.failed = not torch.backends.mkldnn.is_available()
+
+    def __len__(self) -> int:
+        return len(self._packs)
+
+    def get(self, weight: torch.Tensor, min_numel: int) -> torch.Tensor | None:
+        """The packed copy of `weight`, or None (fewer than `min_numel` elements, not an fp32 CPU
+        tensor, or a torch build without oneDNN)."""
+        if self.failed or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        if weight.numel() < min_numel:
+            return None
+        key = (weight.data_ptr(), tuple(weight.shape))
+        packed = self._packs.get(key)
+        if packed is None:
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.max_rows)
+            except (AttributeError, RuntimeError) as e:  # no oneDNN in this build
+                log.info("oneDNN-packed weights unavailable (%s); using plain matmuls", e)
+                self.failed = True
+                return None
+            self._packs[key] = packed
+        return packed
+
+    def drop(self) -> None:
+        """Forget every packed copy (the weights changed in place, moved or were released)."""
+        self._packs.clear()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` from the weight's packed copy (`PackedWeights.get`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class LMHead:
     """A model's output embedding applied to hidden states [n, H] -> logits [n, V].
 
-    On CPU it uses a oneDNN copy of the weight packed for matmul (11 ms against 18 ms for `F.linear`
-    on [64, 256] x [256, 32000], one thread), packed again after every load (`drop_packed`); not for
-    shared weights, whose in-place updates (a fused optimizer step bumps no version counter) a copy
-    would miss. Otherwise (and where oneDNN is missing) vocabulary blocks into one output buffer."""
+    On CPU it uses a oneDNN copy of the weight packed for matmul (`packs`, shared with the engine's
+    lean decoder; 11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one thread); not for
+    shared weights. Otherwise (and where oneDNN is missing) vocabulary blocks into one output buffer."""
 
     def __init__(self, module: torch.nn.Module | None, max_rows: int) -> None:
         self.module = module  # None for a model without output embeddings
-        self.max_rows = max_rows  # the batch size oneDNN packs the weight for
-        self._packed: tuple[tuple, torch.Tensor] | None = None  # (storage key, packed weight)
-        self._pack_failed = not torch.backends.mkldnn.is_available()
+        self.packs = PackedWeights(max_rows)
 
     def __call__(self, hidden: torch.Tensor, shared: bool = False) -> torch.Tensor:
         """Logits of `hidden`; `shared` says the weight aliases a trainer's tensor (never packed)."""
         weight = self.module.weight
         if hidden.device.type != "cpu" or hidden.shape[0] == 0:
             return torch.nn.functional.linear(hidden, weight)
-        packed = None if shared else self._packed_weight(weight)
+        packed = None if shared else self.packs.get(weight, _PACK_MIN_NUMEL)
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
+            return packed_linear(hidden, packed)
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
         for start in range(0, weight.shape[0], _HEAD_CHUNK):
             end = start + _HEAD_CHUNK
@@ -65,27 +108,9 @@ class LMHead:
         return out
 
     def drop_packed(self) -> None:
-        """Forget the packed copy: the weight changed in place (a load), moved or was released."""
-        self._packed = None
-
-    def _packed_weight(self, weight: torch.Tensor):
-        """The oneDNN-packed weight (re-packed when its storage changed; loads, sleep and wake drop it);
-        None for small heads, non-fp32 weights, or a torch build without oneDNN."""
-        if self._pack_failed or weight.dtype != torch.float32:
-            return None
-        if weight.numel() < _PACK_MIN_NUMEL:
-            return None
-        key = (weight.data_ptr(), tuple(weight.shape))
-        if self._packed is None or self._packed[0] != key:
-            self._packed = None
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.max_rows)
-            except (AttributeError, RuntimeError) as e:  # no oneDNN in this build
-                log.info("oneDNN-packed LM head unavailable (%s); using blocked matmuls", e)
-                self._pack_failed = True
-                return None
-            self._packed = (key, packed)
-        return self._packed[1]
+        """Forget the packed copies (this head's and the lean decoder's): the weights changed in place
+        (a load), moved or were released."""
+        self.packs.drop()
 
 
 def sequence_logprobs(
