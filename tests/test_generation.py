@@ -464,8 +464,9 @@ def test_weight_loading_is_checked():
 def test_packed_weights_follow_every_weight_change(monkeypatch):
     """The CPU engine applies the LM head and the lean decoder's projections from packed copies of
     their weights. A copy-load gives what a fresh engine on the same weights gives; shared weights are
-    never packed, so an in-place optimizer step (fused AdamW bumps no version counter) is seen; the
-    plain fallback agrees too, and the packed decode equals the plain one."""
+    packed only while requests run, so an in-place optimizer step between generate() calls (fused
+    AdamW bumps no version counter) is seen; the plain fallback agrees too, and the packed decode
+    equals the plain one."""
     import posttrain.generation.lean_decode as lean_module
     import posttrain.generation.lm_head as lm_head_module
 
@@ -498,7 +499,10 @@ def test_packed_weights_follow_every_weight_change(monkeypatch):
     trainer = build_tiny_model(VOCAB, seed=31)
     shared = make_engine()
     shared.share_weights(trainer.state_dict(), version=1)
-    shared.generate(prompts, params)
+    shared.submit(prompts[0], params)
+    shared.step()  # shared weights are packed while requests run ...
+    assert len(shared._head.packs) == 1 + 7 * layers
+    list(shared.iter_results())  # ... and dropped when the engine falls idle
     assert len(shared._head.packs) == 0
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=0.05, fused=True)
     for p in trainer.parameters():

@@ -270,6 +270,10 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             if self._active:
                 finished += self._decode()
             results = [r.result() for r in finished]
+            if self._shared and not (self._active or self._waiting):
+                # packed copies of weights shared with a trainer live while requests run: an optimizer
+                # step between two generate() calls updates the tensors in place, not the copies
+                self._head.drop_packed()
             if park:
                 self._parked += [r for r in results if r.request_id not in self._async_ids]
                 results = [r for r in results if r.request_id in self._async_ids]
@@ -421,7 +425,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         """Logits [b, V] at position `last[i]` of each row, computing the LM head only there."""
         rows = torch.arange(ids.shape[0], device=ids.device)
         if self._body is not None:
-            return self._head(self._hidden(ids, position_ids, mask)[rows, last], self._shared)
+            return self._head(self._hidden(ids, position_ids, mask)[rows, last])
         if self._head.module is None:
             return self._forward(ids, position_ids, mask)[rows, last]
 
@@ -471,8 +475,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         mask = self._masks.decode(self._arange[:length][None, :] <= pos[:, None])
         self.cache.plan_decode(n, pos, length)
         if self._lean is not None and self.cache.keys[0] is not None:
-            hidden = self._lean(self._last[:n], pos, mask, self.cache, self._shared)
-            logits = self._head(hidden, self._shared)
+            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
         else:
             with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
                 logits = self._decode_logits(n, pos, mask)
@@ -484,7 +487,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
 
     def _decode_logits(self, n: int, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self._body is not None:
-            return self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1], self._shared)
+            return self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1])
         return self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
 
     def _record(self, first_slot: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:

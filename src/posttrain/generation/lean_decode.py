@@ -116,13 +116,11 @@ class LeanDecoder:
         positions: torch.Tensor,
         mask: torch.Tensor,
         cache: SlotKVCache,
-        shared: bool = False,
     ) -> torch.Tensor:
         """Hidden states [n, H] after the final norm, for one token per slot 0..n-1: `ids` [n] at
-        `positions` [n]; `mask` [n, 1, 1, L] additive over the first L cached positions. `shared`: the
-        weights alias a trainer's tensors (never packed)."""
+        `positions` [n]; `mask` [n, 1, 1, L] additive over the first L cached positions."""
         n = ids.shape[0]
-        packs = None if shared else self.packs
+        packs = self.packs
         body = self.body
         h = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(h[:, None], positions[:, None])  # [n, 1, head_dim]

@@ -42,8 +42,9 @@ class PackedWeights:
     the GFLOP/s of `F.linear` on decode-sized inputs, e.g. [32, 768] x [768, 2816]: ~180 against ~105
     GFLOP/s on two threads, the fp32 matmul peak being ~200; benchmarks/RESULTS.md), made on first use
     and kept by the weight's storage. Loads write through `.data` and bump no version counter, so the
-    engine drops every copy on each load, sleep and wake (`drop`); weights shared with a trainer are
-    never packed (an in-place optimizer step would not reach the copy)."""
+    engine drops every copy on each load, sleep and wake (`drop`). Weights shared with a trainer are
+    packed only while requests run (the engine drops the copies whenever it falls idle: an in-place
+    optimizer step between two generate() calls would not reach them), and never for scoring."""
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
@@ -86,15 +87,17 @@ class LMHead:
     """A model's output embedding applied to hidden states [n, H] -> logits [n, V].
 
     On CPU it uses a oneDNN copy of the weight packed for matmul (`packs`, shared with the engine's
-    lean decoder; 11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one thread); not for
-    shared weights. Otherwise (and where oneDNN is missing) vocabulary blocks into one output buffer."""
+    lean decoder; 11 ms against 18 ms for `F.linear` on [64, 256] x [256, 32000], one thread); with
+    `shared` (scoring with a trainer's tensors) never. Otherwise (and where oneDNN is missing)
+    vocabulary blocks into one output buffer."""
 
     def __init__(self, module: torch.nn.Module | None, max_rows: int) -> None:
         self.module = module  # None for a model without output embeddings
         self.packs = PackedWeights(max_rows)
 
     def __call__(self, hidden: torch.Tensor, shared: bool = False) -> torch.Tensor:
-        """Logits of `hidden`; `shared` says the weight aliases a trainer's tensor (never packed)."""
+        """Logits of `hidden`; `shared`: the weight aliases a trainer's tensor and this call is outside
+        generation (not packed: nothing drops the copy after it)."""
         weight = self.module.weight
         if hidden.device.type != "cpu" or hidden.shape[0] == 0:
             return torch.nn.functional.linear(hidden, weight)
