@@ -92,7 +92,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import ChildDied, median, require, result_line, run_main, start, watch  # noqa: E402
 from async_vs_sync import parallel_capacity  # noqa: E402
-from vs_trl import TASK, Setting, warm_start  # noqa: E402
+from vs_trl import TASK, Setting, policy_section, warm_start  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from helpers import sync_config_like  # noqa: E402  (the tests' converter: same model, task, groups, steps)
@@ -131,15 +131,7 @@ def async_config(s: Setting, init: Path, out: Path, seed: int, ray_address: str 
     return build_config(
         AsyncGRPORunConfig,
         {
-            "policy": {
-                "model": {"name": str(init)},
-                "train_global_batch_size": n,
-                "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
-                "optimizer": {"lr": s.lr},
-                "max_grad_norm": s.max_grad_norm,
-                "logprob_temperature": s.temperature,
-                "init_reference_model": False,
-            },
+            "policy": policy_section(s, init),
             "task": TASK,
             "generation": {"max_num_seqs": n},
             "sampling": {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature},

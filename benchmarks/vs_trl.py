@@ -159,6 +159,21 @@ def _merged(base: dict, extra: dict) -> dict:
     return out
 
 
+def policy_section(s, init: Path) -> dict:
+    """The `policy:` section of a posttrain GRPO run of setting `s` from `init`: one micro-batch per
+    step, constant lr, no reference model (this benchmark and async_vs_sync_learning.py)."""
+    n = s.samples_per_step
+    return {
+        "model": {"name": str(init)},
+        "train_global_batch_size": n,
+        "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
+        "optimizer": {"lr": s.lr},
+        "max_grad_norm": s.max_grad_norm,
+        "logprob_temperature": s.temperature,
+        "init_reference_model": False,
+    }
+
+
 def posttrain_config(
     s, init: Path, out: Path, seed: int, source: dict, max_new_tokens: int, overrides: dict | None = None
 ):
@@ -169,15 +184,7 @@ def posttrain_config(
 
     n = s.samples_per_step
     base = {
-        "policy": {
-            "model": {"name": str(init)},
-            "train_global_batch_size": n,
-            "microbatch": {"train_micro_batch_size": n, "logprob_micro_batch_size": n},
-            "optimizer": {"lr": s.lr},
-            "max_grad_norm": s.max_grad_norm,
-            "logprob_temperature": s.temperature,
-            "init_reference_model": False,
-        },
+        "policy": policy_section(s, init),
         **source,
         "generation": {"max_num_seqs": n},
         "sampling": {"max_new_tokens": max_new_tokens, "temperature": s.temperature},

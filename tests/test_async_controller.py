@@ -224,7 +224,9 @@ def test_straggler_does_not_hold_back_steps():
     back = journal.index(next(e for e in journal if e[0] == "generated" and e[2] == 0))
     assert journal[back][3] == 0  # generated with version 0, back after 3 optimizer steps
     assert [e[1] for e in journal[:back] if e[0] == "finish"] == [1, 2, 3]
-    assert sum(e[0] == "train" for e in journal[:back]) == 12  # the others went on meanwhile
+    # the others went on meanwhile: three whole steps of 4 groups (the straggler polls every ms, so
+    # the next step's first groups may also be trained before it notices; counted, not timed)
+    assert sum(e[0] == "train" for e in journal[:back]) >= 12
     # group 0 is prompt 0 (no shuffle): dropped as stale, never trained
     assert 0 not in trained_prompts(trainer) and ctrl.ledger.ended(0)
     assert summary.totals["dropped_stale"] == summary.groups["dropped_stale"] >= 1
