@@ -254,6 +254,10 @@ def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):
     with pytest.raises(ValueError, match="tensor parallelism is not supported for model type 'olmoe'"):
         check_parallel_support(family_config("olmoe", len(TOK)), ParallelDims(2, tp=2))
     check_parallel_support(family_config("mixtral", len(TOK)), ParallelDims(2, tp=2, sequence_parallel=True))
+    jitter = family_config("mixtral", len(TOK), router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1 .* Set router_jitter_noise=0"):
+        check_parallel_support(jitter, ParallelDims(2, tp=2))
+    check_parallel_support(jitter, ParallelDims(2))  # one rank (or data parallel) keeps its jitter
     assert set(MOE_FAMILIES) <= set(FAMILIES)
 
 

@@ -33,15 +33,15 @@ def _cfg(path: str, replay: str, **over):
     return policy_cfg(model={"name": path}, optimizer=SGD, init_reference_model=False, moe=moe, **over)
 
 
-def _batch(replay: str):
-    batch = random_batch(8, 16, rl=True, masked=())
+def _batch(replay: str, t: int = 16):
+    batch = random_batch(8, t, rl=True, masked=())
     if replay == "rank0_experts":  # every token to experts 0 and 1: rank 1 of ep=2 receives none
-        routing = torch.tensor([0, 1], dtype=torch.int16).expand(8, 16, 2, 2).clone()
+        routing = torch.tensor([0, 1], dtype=torch.int16).expand(8, t, 2, 2).clone()
         routing[:, -1] = -1
         batch["routing"] = routing
     if replay == "rollout":  # a recorded routing (2 MoE layers, 2 of 4 experts), none on the last token
         g = torch.Generator().manual_seed(7)
-        first = torch.randint(0, 4, (8, 16, 2, 1), generator=g)
+        first = torch.randint(0, 4, (8, t, 2, 1), generator=g)
         routing = torch.cat([first, (first + 1 + torch.randint(0, 3, first.shape, generator=g)) % 4], -1)
         routing[:, -1] = -1
         batch["routing"] = routing.to(torch.int16)
@@ -66,12 +66,13 @@ def _on_ranks(
     ac: bool = False,
     layout: dict | None = None,
     microbatch: dict | None = None,
+    t: int = 16,
 ):
     cfg = _cfg(path, replay, cluster={"backend": "ray", "num_workers": world}, **(microbatch or {}))
     layout = {"expert_parallel_size": ep, "activation_checkpointing": ac, **(layout or {})}
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=layout)})
     worker = PolicyWorker(cfg, rank=rank, world_size=world, master_port=port)
-    shard = shard_batch(_batch(replay), worker.dims.dp)[worker.dims.dp_index(rank)]
+    shard = shard_batch(_batch(replay, t), worker.dims.dp)[worker.dims.dp_index(rank)]
     result = _outcome(worker, shard)
     experts = worker.model.model.layers[0].mlp.experts.gate_up_proj
     result["local_experts"] = experts.to_local().shape[0] if ep > 1 else None
@@ -82,9 +83,9 @@ def _on_ranks(
     return result
 
 
-LAYOUTS = [  # (replay, ep): FSDP2 alone once, replay under expert parallelism (router losses: below)
+LAYOUTS = [  # (replay, ep): FSDP2 alone once, every MoE option under expert parallelism
     ("off", 1),
-    ("off", 2),
+    ("router_losses", 2),
     ("rollout", 2),
 ]
 
@@ -94,7 +95,7 @@ LAYOUTS = [  # (replay, ep): FSDP2 alone once, replay under expert parallelism (
 def test_a_moe_step_is_the_same_on_one_rank_dp2_and_ep2(tmp_path, replay, ep):
     path = str(save_family_model("qwen3_moe", build_char_tokenizer(), tmp_path / "moe", seed=3))
     ref = _outcome(PolicyWorker(_cfg(path, replay)), _batch(replay))
-    ckpt = str(tmp_path / "ckpt") if ep == 2 and replay == "off" else None
+    ckpt = str(tmp_path / "ckpt") if ep == 2 and replay == "router_losses" else None
     # with activation checkpointing there: recomputing a layer in backward runs its all-to-alls again,
     # in the same order on every rank
     results = run_ranks(2, _on_ranks, path, replay, ep, ckpt, ckpt is not None)
@@ -102,7 +103,11 @@ def test_a_moe_step_is_the_same_on_one_rank_dp2_and_ep2(tmp_path, replay, ep):
         assert [r["local_experts"] for r in results] == [2, 2]
     got_lp = torch.cat([r["logprobs"] for r in results])
     torch.testing.assert_close(got_lp, ref["logprobs"], rtol=0, atol=1e-5)
-    for k in ("loss", "pg_loss", "grad_norm", "global_valid_toks"):
+    keys = ("loss", "pg_loss", "grad_norm", "global_valid_toks")
+    if replay == "router_losses":
+        keys += ("moe_aux_loss", "moe_z_loss")
+        assert ref["metrics"]["moe_aux_loss"] > 0.5
+    for k in keys:
         assert results[0]["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), k
     assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
     if replay == "rollout":  # every rank replayed its half of the recorded decisions
@@ -142,9 +147,9 @@ def test_an_ep2_rank_that_receives_no_tokens_still_takes_the_same_step(tmp_path)
     assert_params_close(ref["params"], results[0]["params"], rtol=1e-5, atol=1e-6)
 
 
-SPLIT_LAYOUTS = [  # (family, replay, world, layout, packed): attention split over tp, MoE blocks whole
+SPLIT_LAYOUTS = [  # (family, replay, world, layout, packed); rows of 15 tokens: padded to 16 under sp
     ("qwen3_moe", "rollout", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}, True),
-    ("mixtral", "router_losses", 2, {"tensor_parallel_size": 2}, False),
+    ("mixtral", "router_losses", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}, False),
     ("qwen3_moe", "rollout", 4, {"tensor_parallel_size": 2, "expert_parallel_size": 2}, False),
     ("olmoe", "off", 2, {"context_parallel_size": 2}, True),
 ]
@@ -154,7 +159,7 @@ SPLIT_LAYOUTS = [  # (family, replay, world, layout, packed): attention split ov
 @pytest.mark.parametrize(
     "family,replay,world,layout,packed",
     SPLIT_LAYOUTS,
-    ids=["tp2-sp-packed", "mixtral-tp2", "tp2xep2", "olmoe-cp2-packed"],
+    ids=["tp2-sp-packed", "mixtral-tp2-sp", "tp2xep2", "olmoe-cp2-packed"],
 )
 def test_a_moe_step_under_tensor_and_context_parallelism_equals_one_rank(
     tmp_path, family, replay, world, layout, packed
@@ -166,10 +171,11 @@ def test_a_moe_step_under_tensor_and_context_parallelism_equals_one_rank(
     decisions and the router losses equal one rank's, and a tp x ep checkpoint resumes on one rank."""
     path = str(save_family_model(family, build_char_tokenizer(), tmp_path / "moe", seed=3))
     microbatch = {"microbatch": {"mode": "packed", "max_tokens": 40}} if packed else {}
-    ref = _outcome(PolicyWorker(_cfg(path, replay, **microbatch)), _batch(replay))
+    ref = _outcome(PolicyWorker(_cfg(path, replay, **microbatch)), _batch(replay, 15))
+    layout = dict(layout)  # the parametrized dict is shared between runs
     ep = layout.pop("expert_parallel_size", 1)
     ckpt = str(tmp_path / "ckpt") if ep > 1 else None
-    results = run_ranks(world, _on_ranks, path, replay, ep, ckpt, False, layout, microbatch)
+    results = run_ranks(world, _on_ranks, path, replay, ep, ckpt, False, layout, microbatch, 15)
     leaders = [r for r in results if r["dp_leader"]]
     assert len(leaders) == world // (
         layout.get("tensor_parallel_size", 1) * layout.get("context_parallel_size", 1)

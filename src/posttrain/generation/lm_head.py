@@ -4,8 +4,10 @@ For plain-head families (Llama, Qwen2/3, Mistral: logits are exactly `lm_head(bo
 scaling or soft-capping) the engine runs the decoder body itself and applies the LM head here, only at
 the positions it samples from. On CPU the head's weight (and the lean decoder's projections) are
 packed once for oneDNN's matmul (re-packed after every load, `PackedWeights`); elsewhere it is a plain
-`F.linear`. `sequence_logprobs` scores sequences through the
-same head, so the probe check after a weight sync covers the path generation takes.
+`F.linear`. `sequence_logprobs` scores sequences through the same head module with plain matmuls
+(the body is transformers' forward), so the probe check after a weight sync covers the weights
+generation reads but not the packed copies: those are held equal to the plain path by
+tests/test_generation.py and dropped whenever the weights change.
 """
 
 from __future__ import annotations

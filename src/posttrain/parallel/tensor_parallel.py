@@ -183,6 +183,14 @@ def check_parallel_support(config, dims: ParallelDims) -> None:
             f"'{config.model_type}'); use parallel.context_parallel_size=1"
         )
     check_trainable(config, tensor_parallel=dims.tp_enabled, context_parallel=dims.cp_enabled)
+    if dims.tp_enabled and getattr(config, "router_jitter_noise", 0):
+        raise ValueError(
+            f"router_jitter_noise={config.router_jitter_noise} (model type '{config.model_type}') with "
+            f"tensor_parallel_size={dims.tp}: every rank of the group runs the MoE block whole and must "
+            "route alike, and the jitter is random per rank (it also scales the block's input in place, "
+            "which the tensor-parallel input forbids). Set router_jitter_noise=0 in the model's config, "
+            "or use tensor_parallel_size=1"
+        )
     if dims.tp_enabled:
         check_tp_divides(config, dims.tp)
         _tp_plan(config, dims.sequence_parallel)
