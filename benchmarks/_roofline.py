@@ -119,7 +119,6 @@ class DecoderShape:
         return 3 * self.forward_flops(lengths)
 
 
-def roofline_fraction(flops: float, seconds: float, peak_gflops: float) -> tuple[float, float]:
-    """(achieved GFLOP/s, its fraction of `peak_gflops`)."""
-    achieved = flops / seconds / 1e9
-    return achieved, achieved / peak_gflops
+def gflops(flops: float, seconds: float) -> float:
+    """Achieved GFLOP/s of `flops` done in `seconds`."""
+    return flops / seconds / 1e9

@@ -33,7 +33,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line, run_main, start, stop, wait_for, watchdog  # noqa: E402
-from _roofline import DecoderShape, machine, matmul_peak  # noqa: E402
+from _roofline import DecoderShape, gflops, machine, matmul_peak  # noqa: E402
 
 from posttrain.generation.engine import GenerationEngine  # noqa: E402
 from posttrain.generation.params import GenerationConfig, SamplingParams  # noqa: E402
@@ -111,6 +111,14 @@ class Comparison:
     @property
     def ref_tps(self) -> float:
         return self.tokens / self.ref_s
+
+    @property
+    def ours_gflops(self) -> float:
+        return gflops(self.flops, self.ours_s)
+
+    @property
+    def ref_gflops(self) -> float:
+        return gflops(self.flops, self.ref_s)
 
 
 def compare(
@@ -230,9 +238,9 @@ def main() -> None:
     results = {mode: compare(vocab, repeats, greedy=mode == "greedy") for mode in ("sampling", "greedy")}
     for mode, c in results.items():
         print(
-            f"{mode:8s} engine {c.ours_tps:8.1f} tok/s ({c.flops / c.ours_s / 1e9:5.1f} GFLOP/s, "
-            f"{c.flops / c.ours_s / 1e9 / peak:.0%} of peak)   transformers {c.ref_tps:8.1f} tok/s "
-            f"({c.flops / c.ref_s / 1e9:5.1f} GFLOP/s, {c.flops / c.ref_s / 1e9 / peak:.0%})   "
+            f"{mode:8s} engine {c.ours_tps:8.1f} tok/s ({c.ours_gflops:5.1f} GFLOP/s, "
+            f"{c.ours_gflops / peak:.0%} of peak)   transformers {c.ref_tps:8.1f} tok/s "
+            f"({c.ref_gflops:5.1f} GFLOP/s, {c.ref_gflops / peak:.0%})   "
             f"ratio (median of paired runs) {c.ratio:.2f}x"
         )
     ratio = results["sampling"].ratio

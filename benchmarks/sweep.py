@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, require, result_line, run_main  # noqa: E402
-from _roofline import machine, matmul_peak  # noqa: E402
+from _roofline import gflops, machine, matmul_peak  # noqa: E402
 from _sizes import SIZES, VOCAB, shape  # noqa: E402
 from generation import compare  # noqa: E402
 from train_throughput import compare_train  # noqa: E402
@@ -60,8 +60,8 @@ def measure(size: str, quick: bool, trl: bool, threads: int, workdir: Path) -> d
             "engine_tok_s": c.ours_tps,
             "hf_tok_s": c.ref_tps,
             "speedup": c.ratio,
-            "engine_gflops": c.flops / c.ours_s / 1e9,
-            "hf_gflops": c.flops / c.ref_s / 1e9,
+            "engine_gflops": c.ours_gflops,
+            "hf_gflops": c.ref_gflops,
         }
     b, t, mbs, reps = (4, 64, 2, 1) if quick else (8, 256, 4, 3)
     ours, ref, flops = compare_train(shape(size), VOCAB, b, t, mbs, reps)
@@ -69,8 +69,8 @@ def measure(size: str, quick: bool, trl: bool, threads: int, workdir: Path) -> d
         "ours_s": median(ours),
         "ref_s": median(ref),
         "speedup": median([r / o for o, r in zip(ours, ref)]),
-        "ours_gflops": flops / median(ours) / 1e9,
-        "ref_gflops": flops / median(ref) / 1e9,
+        "ours_gflops": gflops(flops, median(ours)),
+        "ref_gflops": gflops(flops, median(ref)),
     }
     if trl:
         from _grpo_at_size import grpo_step_times

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, result_line, time_repeats  # noqa: E402
-from _roofline import DecoderShape, machine, matmul_peak  # noqa: E402
+from _roofline import DecoderShape, gflops, machine, matmul_peak  # noqa: E402
 
 from posttrain.algorithms.losses import NLLLoss  # noqa: E402
 from posttrain.data.batch import make_batch  # noqa: E402
@@ -111,10 +111,10 @@ def main() -> None:
     )
     print(f"roofline: fp32 matmul peak {peak:.1f} GFLOP/s, measured now; {flops / 1e9:.1f} GFLOP per step")
     for name, times, tps in (("posttrain Policy.train", ours, tps_ours), ("hand-written loop", ref, tps_ref)):
-        gflops = flops / median(times) / 1e9
+        achieved = gflops(flops, median(times))
         print(
             f"{name:22s} : median {median(times) * 1e3:8.1f} ms/step  {tps:10.0f} tokens/s  "
-            f"{gflops:6.1f} GFLOP/s ({gflops / peak:.0%} of peak)"
+            f"{achieved:6.1f} GFLOP/s ({achieved / peak:.0%} of peak)"
         )
     print(result_line("train_vs_handwritten", tps_ours / tps_ref, ">=0.9"))
 

@@ -97,10 +97,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._masks = WindowMasks(config, self.max_len, self._additive)  # per layer type (windows.py)
         self._head = LMHead(model.get_output_embeddings(), self.cfg.max_num_seqs)
         self._body = plain_head_body(model)  # set: the engine applies the LM head itself
-        lean = (
-            LeanDecoder.for_model(model, self.max_len, self._head.packs) if self._body is not None else None
-        )
-        self._lean = lean
+        packs = self._head.packs  # the lean decoder's projections are packed beside the head
+        self._lean = LeanDecoder.for_model(model, self.max_len, packs) if self._body is not None else None
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):

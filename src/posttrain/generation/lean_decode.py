@@ -111,11 +111,7 @@ class LeanDecoder:
         return cls(body, config, packs)
 
     def __call__(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: SlotKVCache,
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
     ) -> torch.Tensor:
         """Hidden states [n, H] after the final norm, for one token per slot 0..n-1: `ids` [n] at
         `positions` [n]; `mask` [n, 1, 1, L] additive over the first L cached positions."""

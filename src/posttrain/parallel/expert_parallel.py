@@ -4,9 +4,9 @@ data-parallel ranks, tokens sent to the rank that holds their expert and back by
 Layout: ep divides the data-parallel size dp (cp = 1). The dp ranks of one tensor-parallel index form a
 (dp/ep, ep) grid, dp index = replica x ep + e: each row of ep ranks is one expert group. Under tensor
 parallelism (parallel/tensor_parallel.py leaves MoE blocks unsplit) each tensor-parallel index has its
-own groups: the ranks of a tensor-parallel group hold the same experts and exchange the same tokens. Each fused expert tensor of transformers'
-MoE experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) becomes a DTensor sharded on dim 0 over
-the group (replicated over the dp/ep rows), so rank e of a group holds experts [e E/ep, (e+1) E/ep)
+own groups: the ranks of a tensor-parallel group hold the same experts and exchange the same tokens.
+Each fused expert tensor of transformers' MoE experts (`gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I]) becomes a DTensor sharded on dim 0 over the group (replicated over the dp/ep rows), so rank e of a group holds experts [e E/ep, (e+1) E/ep)
 whole; FSDP2 leaves them alone (`ignored_params`) and shards everything else as before. Checkpoints,
 exports and weight syncs read them as any DTensor (a full tensor is gathered where one is needed).
 With more than one row, each row's tokens train its copy of the experts: `sync_expert_grads` sums the

@@ -141,10 +141,11 @@ def _layer_plan(sequence_parallel: bool, moe: bool = False) -> dict[str, Paralle
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
             use_local_output=True,
         )
-        plan["mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
-        if moe:  # the block's output is whole on every rank: each keeps its part of the sequence
+        if not moe:
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+        else:  # the block's output is whole on every rank: each keeps its part of the sequence
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
                 desired_input_layouts=(Replicate(),),
