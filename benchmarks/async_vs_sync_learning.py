@@ -91,6 +91,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import ChildDied, median, require, result_line, run_main, start, watch  # noqa: E402
+from _stats import curve, final_accuracy, summary, t_interval, time_to  # noqa: E402
 from async_vs_sync import parallel_capacity  # noqa: E402
 from vs_trl import TASK, Setting, policy_section, warm_start  # noqa: E402
 
@@ -316,57 +317,6 @@ def run_in_process(
     result["accuracy"] = {int(k): v for k, v in result["accuracy"].items()}
     result["clock"] = {int(k): v for k, v in result["clock"].items()}
     return result
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def curve(result: dict, window: int) -> list[tuple[int, float, float]]:
-    """(step, clock, accuracy averaged over this and the `window`-1 evaluations before it) at each
-    evaluated step that has `window` evaluations behind it."""
-    steps = sorted(result["accuracy"])
-    accs = [result["accuracy"][k] for k in steps]
-    return [
-        (k, result["clock"][k], statistics.mean(accs[i + 1 - window : i + 1]))
-        for i, k in enumerate(steps)
-        if i + 1 >= window
-    ]
-
-
-def time_to(result: dict, target: float, window: int) -> tuple[float, int] | None:
-    """(clock, step) at the first evaluated step whose window-averaged accuracy reaches `target`."""
-    for step, clock, acc in curve(result, window):
-        if acc >= target - 1e-9:
-            return clock, step
-    return None
-
-
-def final_accuracy(result: dict, window: int) -> float:
-    """The mean held-out accuracy of the last `window` evaluations (the last one at the last step)."""
-    return curve(result, window)[-1][2]
-
-
-def t_interval(values: list[float]) -> tuple[float, float]:
-    """95% Student-t interval on the mean (nan for fewer than two values)."""
-    from scipy.stats import t
-
-    n = len(values)
-    if n < 2:
-        return math.nan, math.nan
-    mean, half = statistics.mean(values), t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return mean - half, mean + half
-
-
-def summary(name: str, values: list[float], scale: float = 1.0, unit: str = "") -> str:
-    """`name`: median, mean and the 95% t-interval of `values` (times `scale`)."""
-    if not values:
-        return f"{name}: no values"
-    lo, hi = t_interval(values)
-    mean, med = statistics.mean(values), median(values)
-    return (
-        f"{name}: median {scale * med:.3g}{unit}  mean {scale * mean:.3g}{unit}  "
-        f"95% t-CI [{scale * lo:.3g}, {scale * hi:.3g}]{unit}  (n={len(values)})"
-    )
 
 
 # --------------------------------------------------------------------------- main

@@ -85,11 +85,13 @@ FULL = Setting(
 )
 
 
-def _task(tokenizer):
-    from posttrain.tasks.arithmetic import ArithmeticTaskConfig
-    from posttrain.tasks.build import build_task
+def _task(tokenizer, task: dict | None = None):
+    """The task `task` (a `task:` section, default TASK) built with `tokenizer`."""
+    from pydantic import TypeAdapter
 
-    return build_task(ArithmeticTaskConfig.model_validate(TASK), tokenizer)
+    from posttrain.tasks.build import TaskConfig, build_task
+
+    return build_task(TypeAdapter(TaskConfig).validate_python(task or TASK), tokenizer)
 
 
 class Lockstep:
@@ -208,9 +210,10 @@ def posttrain_config(
     return grpo.GRPOConfig.model_validate(_merged(base, overrides or {}))
 
 
-def run_gated(cfg, gate: Lockstep):
+def run_gated(cfg, gate: Lockstep, after_step: Callable | None = None):
     """run_grpo on its own policy, each step gated by `gate`; returns (step seconds, policy,
-    metrics records with a step time, median seconds per phase)."""
+    metrics records with a step time, median seconds per phase). `after_step(policy, step)` runs after
+    each timed step, before the other side's turn (so its time counts on neither side)."""
     from posttrain.algorithms import grpo
     from posttrain.logging import read_metrics
     from posttrain.policy.policy import Policy
@@ -225,7 +228,11 @@ def run_gated(cfg, gate: Lockstep):
             return inner(run)
         finally:
             times.append(time.perf_counter() - t0)
-            gate.end()
+            try:
+                if after_step is not None:
+                    after_step(run.policy, len(times))
+            finally:
+                gate.end()
 
     grpo.grpo_step = gated_step
     policy = Policy(cfg.policy)
@@ -243,11 +250,14 @@ def train_posttrain(
     gate: Lockstep,
     overrides: dict | None = None,
     save: bool = True,
+    task: dict | None = None,
+    after_step: Callable | None = None,
 ) -> dict:
-    """run_grpo from `init` (each step gated by `gate`; `overrides`: posttrain_config's); with `save`,
-    saves the final model to `<out>/final`."""
-    cfg = posttrain_config(s, init, out, seed, {"task": TASK}, s.max_new_tokens, overrides)
-    times, policy, records, phases = run_gated(cfg, gate)
+    """run_grpo from `init` on `task` (a `task:` section, default TASK; each step gated by `gate`;
+    `overrides`: posttrain_config's; `after_step`: run_gated's); with `save`, saves the final model to
+    `<out>/final`."""
+    cfg = posttrain_config(s, init, out, seed, {"task": task or TASK}, s.max_new_tokens, overrides)
+    times, policy, records, phases = run_gated(cfg, gate, after_step)
     if save:
         policy.prepare_for_lp_inference()
         policy.save_hf(str(out / "final"))
@@ -259,8 +269,9 @@ def train_posttrain(
     }
 
 
-def gated_timer(gate: Lockstep):
-    """A TRL callback that gates every step by `gate` and records its seconds (`.times`)."""
+def gated_timer(gate: Lockstep, after_step: Callable | None = None):
+    """A TRL callback that gates every step by `gate` and records its seconds (`.times`);
+    `after_step(model, step)` runs after each timed step, before the other side's turn."""
     from transformers import TrainerCallback
 
     class GatedStepTimer(TrainerCallback):
@@ -272,9 +283,13 @@ def gated_timer(gate: Lockstep):
             gate.begin()
             self.t0 = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
             self.times.append(time.perf_counter() - self.t0)
-            gate.end()
+            try:
+                if after_step is not None:
+                    after_step(model, len(self.times))
+            finally:
+                gate.end()
 
     return GatedStepTimer()
 
@@ -328,32 +343,35 @@ def train_trl(
     gate: Lockstep,
     options: dict | None = None,
     save: bool = True,
+    task: dict | None = None,
+    after_step: Callable | None = None,
 ) -> dict:
-    """TRL GRPOTrainer from `init` on CPU, matching config (module docstring; `options`: further
-    GRPOConfig fields, as trl_args' `extra`); with `save`, the final model to `<out>/final`."""
+    """TRL GRPOTrainer from `init` on CPU on `task` (default TASK), matching config (module docstring;
+    `options`: further GRPOConfig fields, as trl_args' `extra`; `after_step`: gated_timer's); with
+    `save`, the final model to `<out>/final`."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(init)
-    task = _task(tokenizer)
+    task = _task(tokenizer, task)
     # TRL tokenizes the prompt text as is; posttrain prepends BOS to the ids, so the text carries it:
     # both sides see exactly the same prompt token ids (checked).
     by_text = {tokenizer.bos_token + it.prompt: it for it in task.train.items}
     assert all(tokenizer(t)["input_ids"] == list(it.prompt_token_ids) for t, it in by_text.items())
 
-    def arithmetic_reward(prompts, completions, **_):
+    def task_reward(prompts, completions, **_):
         items = [by_text[p] for p in prompts]
         res = task.reward([it.prompt for it in items], completions, [it.metadata for it in items])
         return [None if f else r for r, f in zip(res.rewards, res.failed)]
 
     args = trl_args(s, out, seed, s.max_new_tokens, **(options or {}))
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa")
-    timer = gated_timer(gate)
+    timer = gated_timer(gate, after_step)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=arithmetic_reward,
+        reward_funcs=task_reward,
         args=args,
         train_dataset=Dataset.from_list([{"prompt": t} for t in by_text]),
         processing_class=tokenizer,

@@ -17,6 +17,7 @@ from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.tasks import (
     ArithmeticReward,
     ArithmeticTaskConfig,
+    ChainTaskConfig,
     CustomTaskConfig,
     DatasetConfig,
     MathTaskConfig,
@@ -476,3 +477,43 @@ def test_task_config_is_discriminated_by_name(tmp_path, tok, monkeypatch):
     task = build_task(custom.task, tok)
     assert task.name == "custom" and len(task.train) == 3 and task.eval is None
     assert task.reward(["p"], ["abc"], [{}]).rewards == [3.0]
+
+
+def test_chain_task_splits_work_and_reward(tok):
+    cfg = ChainTaskConfig(heldout="validation")
+    task = build_task(cfg, tok)
+    test = build_task(cfg.model_copy(update={"heldout": "test"}), tok)
+    train_ids = {it.prompt_id for it in task.train.items}
+    val_ids, test_ids = {it.prompt_id for it in task.eval.items}, {it.prompt_id for it in test.eval.items}
+    assert (len(train_ids), len(val_ids), len(test_ids)) == (800, 100, 100)
+    assert not (train_ids & val_ids) and not (train_ids & test_ids) and not (val_ids & test_ids)
+    ex = next(e for e in task.sft_examples if e.prompt_id == 417)
+    # x + 137 mod 1000, 11 steps shown as equations, then the final value
+    assert ex.prompt == "417:" and ex.completion.startswith("417+137=554,554+137=691,691+137=828,")
+    assert ",965+137=102," in ex.completion  # results taken mod 1000
+    assert len(ex.completion_token_ids) == 136 and ex.completion_token_ids[-1] == tok.eos_token_id
+    work = ex.completion.removesuffix(tok.eos_token)
+    assert work.endswith("787+137=924:924")
+    meta = [next(it for it in task.train.items if it.prompt_id == 417).metadata] * 4
+    wrong_step = work.replace("=554,", "=555,", 1)  # a wrong step but the right final answer
+    res = task.reward(["417:"] * 4, [work + tok.eos_token, wrong_step, work[:-1] + "0", "no answer"], meta)
+    assert res.rewards == [1.0, 1.0, 0.0, 0.0]
+    assert res.metrics["work_correct_fraction"] == 0.25
+
+
+def test_chain_task_refuses_empty_splits_and_is_an_sft_source(tok):
+    with pytest.raises(ValidationError, match="empty validation or test split"):
+        ChainTaskConfig(modulus=5)
+    with pytest.raises(ValidationError, match="hold out all"):
+        ChainTaskConfig(validation_fraction=0.5, test_fraction=0.5)
+    from posttrain.algorithms.sft import heldout_examples
+
+    task = build_task(task_config({"name": "chain", "num_steps": 2, "heldout": "test"}), tok)
+    held = heldout_examples(task, tok)
+    assert len(held) == 100 and all(e.completion.count(",") == 1 and ":" in e.completion for e in held)
+
+
+def task_config(section: dict):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(TaskConfig).validate_python(section)

@@ -87,9 +87,10 @@ def heldout_examples(task, tokenizer) -> list[SFTExample]:
     demonstrations) when the task has them."""
     if isinstance(task, EnvSuite):
         return demonstration_examples(task, tokenizer, task.eval) if task.eval is not None else []
-    if task.eval is None or not all("answer" in it.metadata for it in task.eval):
+    key = task.sft_completion_key
+    if task.eval is None or not all(key in it.metadata for it in task.eval):
         return []
-    return sft_examples(task.eval, tokenizer)
+    return sft_examples(task.eval, tokenizer, answer_key=key)
 
 
 def eval_loss(policy: Policy, examples: list[SFTExample], pad_id: int) -> float:

@@ -1,11 +1,13 @@
 """Tasks: prompt datasets and the reward functions that score completions on them.
 
-`build_task(cfg, tokenizer)` turns a `TaskConfig` (arithmetic, math or custom) into a `Task` with `train`
-and `eval` prompt datasets, a failure-safe `reward` scorer and, for the arithmetic demo, SFT examples.
+`build_task(cfg, tokenizer)` turns a `TaskConfig` (arithmetic, chain, math or custom) into a `Task` with
+`train` and `eval` prompt datasets, a failure-safe `reward` scorer and, for the built-in arithmetic and
+chain tasks, SFT examples.
 """
 
 from posttrain.tasks.arithmetic import ArithmeticReward, ArithmeticTaskConfig, build_arithmetic_task
 from posttrain.tasks.build import CustomTaskConfig, TaskConfig, build_custom_task, build_task
+from posttrain.tasks.chain import ChainReward, ChainTaskConfig, build_chain_task
 from posttrain.tasks.datasets import (
     DatasetConfig,
     PromptDataset,
@@ -30,6 +32,8 @@ from posttrain.tasks.task import SFTExample, Task, TaskConfigBase
 __all__ = [
     "ArithmeticReward",
     "ArithmeticTaskConfig",
+    "ChainReward",
+    "ChainTaskConfig",
     "CustomTaskConfig",
     "DatasetConfig",
     "MathTaskConfig",
@@ -48,6 +52,7 @@ __all__ = [
     "TaskConfig",
     "TaskConfigBase",
     "build_arithmetic_task",
+    "build_chain_task",
     "build_custom_task",
     "build_math_task",
     "build_prompt_dataset",

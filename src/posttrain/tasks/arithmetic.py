@@ -112,15 +112,19 @@ class ArithmeticReward:
         return RewardResult(rewards=rewards, metrics={"answer_well_formed_fraction": well_formed})
 
 
-def _stop_strings(tokenizer: Any) -> list[str]:
+def stop_strings(tokenizer: Any) -> list[str]:
+    """The strings a completion is cut at before scoring: the tokenizer's EOS and pad tokens."""
     return [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
 
 
-def sft_examples(dataset: PromptDataset, tokenizer: Any, limit: int | None = None) -> list[SFTExample]:
-    """Prompt + correct answer + EOS for the first `limit` prompts of `dataset` (all when None)."""
+def sft_examples(
+    dataset: PromptDataset, tokenizer: Any, limit: int | None = None, answer_key: str = "answer"
+) -> list[SFTExample]:
+    """Prompt + correct completion (`metadata[answer_key]`) + EOS for the first `limit` prompts of
+    `dataset` (all when None)."""
     eos = tokenizer.eos_token_id
     items = dataset.items[:limit]
-    answers = [str(it.metadata["answer"]) for it in items]
+    answers = [str(it.metadata[answer_key]) for it in items]
     answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if answers else []
     return [
         SFTExample(
@@ -146,6 +150,6 @@ def build_arithmetic_task(cfg: ArithmeticTaskConfig, tokenizer: Any) -> Task:
         name="arithmetic",
         train=train,
         eval=evals,
-        reward=make_scorer(cfg, ArithmeticReward(_stop_strings(tokenizer))),
+        reward=make_scorer(cfg, ArithmeticReward(stop_strings(tokenizer))),
         sft_examples=sft_examples(train, tokenizer, cfg.num_sft_examples),
     )

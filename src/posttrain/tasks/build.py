@@ -1,6 +1,6 @@
 """`TaskConfig` (one config type for every task, told apart by `name`) and `build_task`.
 
-Tasks: `arithmetic` (built-in demo), `math` (a dataset scored by math-verify) and `custom` (a dataset scored
+Tasks: `arithmetic` (built-in demo), `chain` (built-in, long shown-work completions), `math` (a dataset scored by math-verify) and `custom` (a dataset scored
 by any reward function given by import path).
 """
 
@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, build_arithmetic_task
+from posttrain.tasks.chain import ChainTaskConfig, build_chain_task
 from posttrain.tasks.datasets import DatasetConfig, build_splits
 from posttrain.tasks.math import MathTaskConfig, build_math_task
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
@@ -36,6 +37,7 @@ def _task_kind(value: Any) -> str | None:
 
 TaskConfig = Annotated[
     Annotated[ArithmeticTaskConfig, Tag("arithmetic")]
+    | Annotated[ChainTaskConfig, Tag("chain")]
     | Annotated[MathTaskConfig, Tag("math")]
     | Annotated[CustomTaskConfig, Tag("custom")],
     Discriminator(_task_kind),
@@ -50,10 +52,14 @@ def build_custom_task(cfg: CustomTaskConfig, tokenizer: Any) -> Task:
     return Task(name="custom", train=train, eval=evals, reward=reward)
 
 
-def build_task(cfg: ArithmeticTaskConfig | MathTaskConfig | CustomTaskConfig, tokenizer: Any) -> Task:
+def build_task(
+    cfg: ArithmeticTaskConfig | ChainTaskConfig | MathTaskConfig | CustomTaskConfig, tokenizer: Any
+) -> Task:
     """Build the task `cfg` describes: datasets tokenized with `tokenizer`, and its reward scorer."""
     if isinstance(cfg, ArithmeticTaskConfig):
         return build_arithmetic_task(cfg, tokenizer)
+    if isinstance(cfg, ChainTaskConfig):
+        return build_chain_task(cfg, tokenizer)
     if isinstance(cfg, MathTaskConfig):
         return build_math_task(cfg, tokenizer)
     if isinstance(cfg, CustomTaskConfig):

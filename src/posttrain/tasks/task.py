@@ -54,6 +54,7 @@ class Task:
     eval: PromptDataset | None
     reward: RewardScorer
     sft_examples: list[SFTExample] = field(default_factory=list)
+    sft_completion_key: str = "answer"  # the metadata field holding a prompt's correct completion
 
 
 def make_scorer(cfg: TaskConfigBase, default_fn: Callable[..., Any] | None) -> RewardScorer:

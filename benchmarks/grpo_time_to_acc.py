@@ -1,0 +1,381 @@
+"""GRPO time to held-out accuracy, posttrain vs TRL, at 20M parameters with 128-token completions.
+
+    python benchmarks/grpo_time_to_acc.py [--quick] [--seeds N] [--workdir DIR]   # needs .[bench]
+
+Model: the size sweep's 20m shape (benchmarks/_sizes.py: Llama-3-style, 6 layers, hidden 384, 32000-token
+vocabulary, 21.7M parameters), random init, and its widened character tokenizer (_grpo_at_size.py).
+Task: posttrain's `chain` task (posttrain/tasks/chain.py): from a start number x0 (`417:`) write the 32
+values of x -> x + 137 mod 1000 that follow, comma-separated, then `=` and the last one: 132 completion
+tokens with EOS when right (an answer is right only when every step was). Problems are the 1000 start numbers:
+800 train, 100 validation, 100 test, never shared.
+
+Warm start: posttrain SFT on the training problems' shown work (run once, cached in the workdir with its
+setting). Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
+token-level loss mean over the step, no KL, clip 0.2, grad-norm clip 1, constant lr, one optimizer
+step per generation batch, group-normalized advantages, temperature 1, no reference model, stop at EOS),
+and TRL with `optim="adamw_torch_fused"` as in _grpo_at_size.py.
+
+Learning rate: chosen on the validation split for each side alike: one pair of runs per lr of the grid
+(seed 1000), each side taking the lr with the best validation accuracy averaged over its last two
+evaluations. Then `--seeds` pairs (seeds 0..N-1) at the chosen lrs, evaluated on the test split.
+
+Timing: each pair runs in lockstep (vs_trl.run_pair: two processes take turns one step each, both with
+`--threads` threads), the clock of a side is the sum of its step times (generate, score, train, and
+posttrain's weight sync; start-up excluded). Every `eval_every` steps a side writes its weights to disk
+after its step's clock stopped and before the other side's turn; the copies are scored after the pair by
+one evaluator for both sides (posttrain's engine, greedy, `rollout.validation.validate`), step 0 being
+the warm start.
+
+Time to accuracy: the target is the lower of the two sides' final accuracies (mean over seeds, each the
+mean of a run's last two evaluations), the accuracy both reach. On the seed-mean curves (accuracy and
+clock averaged over seeds at each evaluated step, smoothed over two evaluations) each side's time to
+the target is the clock at its first evaluated step that reaches it; the headline ratio is TRL's time
+over posttrain's (`grpo_time_to_acc_vs_trl_chain`). Per seed the same is reported where both sides reach
+it, with a t-interval of the geometric mean. `heldout_acc_minus_trl_chain`: the per-seed difference of
+final test accuracies (paired by seed), mean and 95% t-interval, in points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import median, require, result_line, run_main  # noqa: E402
+from _stats import final_accuracy, summary, t_interval, time_to  # noqa: E402
+
+SIZE = "20m"
+TUNE_SEED = 1000
+WINDOW = 2  # evaluations averaged into one point of a curve
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What both sides share (vs_trl.Setting's fields, which run_pair and the trainers read, and more)."""
+
+    sft_steps: int
+    prompts_per_step: int
+    generations: int
+    max_new_tokens: int
+    steps: int
+    seeds: tuple[int, ...]
+    lrs: tuple[float, ...]
+    eval_every: int
+    size: str = SIZE
+    num_steps: int = 32  # the chain's length: 4 tokens per step + '=' + 3 + EOS
+    temperature: float = 1.0
+    lr: float = 0.0  # set per run from `lrs`
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    sft_lr: float = 2e-3
+    sft_batch: int = 16
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.generations
+
+    def task(self, heldout: str) -> dict:
+        return {"name": "chain", "num_steps": self.num_steps, "heldout": heldout}
+
+
+FULL = Setting(
+    sft_steps=300,
+    prompts_per_step=4,
+    generations=4,
+    max_new_tokens=140,
+    steps=30,
+    seeds=(0, 1, 2, 3, 4),
+    lrs=(1e-4, 3e-4),
+    eval_every=5,
+)
+# a smoke run of every part (the 3m size, 8-step chains, one seed): under a minute, numbers meaningless
+QUICK = Setting(
+    sft_steps=4,
+    prompts_per_step=2,
+    generations=2,
+    max_new_tokens=40,
+    steps=2,
+    seeds=(0,),
+    lrs=(1e-4,),
+    eval_every=1,
+    size="3m",
+    num_steps=8,
+)
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+def warm_start(s: Setting, root: Path) -> Path:
+    """The SFT warm start of setting `s` under `root` (reused when one of the same setting is there)."""
+    from _grpo_at_size import save_model
+
+    from posttrain.algorithms.sft import SFTConfig, run_sft
+
+    key = {"size": s.size, "steps": s.sft_steps, "lr": s.sft_lr, "batch": s.sft_batch, "chain": s.num_steps}
+    out = root / "sft"
+    if (out / "hf").exists() and json.loads((out / "setting.json").read_text()) == key:
+        return out / "hf"
+    shutil.rmtree(out, ignore_errors=True)
+    params, _ = save_model(s.size, root / "init")
+    cfg = SFTConfig.model_validate(
+        {
+            "policy": {
+                "model": {"name": str(root / "init")},
+                "train_global_batch_size": s.sft_batch,
+                "microbatch": {"train_micro_batch_size": s.sft_batch},
+                "optimizer": {"lr": s.sft_lr},
+                "init_reference_model": False,
+            },
+            "task": s.task("validation"),
+            "max_num_steps": s.sft_steps,
+            "val_period": 0,
+            "output_dir": str(out),
+            "logging": {"progress_bar": False},
+        }
+    )
+    run_sft(cfg)
+    (out / "setting.json").write_text(json.dumps(key))
+    return out / "hf"
+
+
+# --------------------------------------------------------------------------- weight copies (in the sides)
+
+
+def save_copy(out: Path, every: int, model, step: int) -> None:
+    """Write `model`'s weights (a posttrain Policy or a transformers model) to `<out>/copies/<step>.pt`
+    every `every` steps."""
+    import torch
+
+    if step % every:
+        return
+    state = model.engine_state_dict() if hasattr(model, "engine_state_dict") else model.state_dict()
+    (out / "copies").mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, out / "copies" / f"{step}.pt")
+
+
+def trainers(s: Setting, heldout: str, lrs: dict[str, float]) -> dict:
+    """run_pair's trainers: each side at its lr, on the chain task, writing weight copies."""
+    from vs_trl import train_posttrain, train_trl
+
+    def side(fn, name: str, **kw):
+        return functools.partial(
+            _at_lr, functools.partial(fn, task=s.task(heldout), save=False, **kw), lrs[name], s.eval_every
+        )
+
+    return {
+        "posttrain": side(train_posttrain, "posttrain"),
+        "trl": side(train_trl, "trl", options={"optim": "adamw_torch_fused"}),
+    }
+
+
+def _at_lr(fn, lr: float, every: int, s: Setting, init: Path, out: Path, seed: int, gate) -> dict:
+    """`fn` with setting `s` at learning rate `lr`, writing weight copies every `every` steps."""
+    return fn(
+        dataclasses.replace(s, lr=lr),
+        init,
+        out,
+        seed,
+        gate,
+        after_step=functools.partial(save_copy, out, every),
+    )
+
+
+# --------------------------------------------------------------------------- evaluation (parent)
+
+
+class Evaluator:
+    """Greedy held-out accuracy of weight copies, one engine for both sides (posttrain's validate)."""
+
+    def __init__(self, s: Setting, init: Path, heldout: str) -> None:
+        from posttrain.algorithms import grpo
+        from posttrain.generation.engine import GenerationEngine
+        from posttrain.policy.model_init import build_tokenizer, engine_model
+        from posttrain.rollout.groups import engine_config
+        from posttrain.tasks.build import build_task
+
+        self.cfg = grpo.GRPOConfig.model_validate(
+            {
+                "policy": {"model": {"name": str(init)}, "init_reference_model": False},
+                "task": s.task(heldout),
+                "sampling": {"max_new_tokens": s.max_new_tokens},
+                "generation": {"max_num_seqs": 128},
+            }
+        )
+        self.tokenizer = build_tokenizer(self.cfg.policy.model)
+        self.task = build_task(self.cfg.task, self.tokenizer)
+        model = engine_model(self.cfg.policy.model, self.cfg.policy.lora, self.tokenizer)
+        self.engine = GenerationEngine(
+            model, self.tokenizer, engine_config(self.cfg.generation, self.cfg.sampling, self.task)
+        )
+        self.start = self._score()  # the warm start, as loaded
+
+    def _score(self) -> float:
+        from posttrain.rollout.validation import validate
+
+        return validate(self.engine, self.task, self.tokenizer, self.cfg.sampling, self.cfg.grpo)[
+            "val/accuracy"
+        ]
+
+    def run(self, out: Path, step_times: list[float]) -> dict:
+        """{accuracy, clock} per evaluated step of the side that wrote `out` (step 0: the warm start);
+        the copies are deleted once scored."""
+        import torch
+
+        clock = [0.0, *itertools.accumulate(step_times)]
+        acc, at = {0: self.start}, {0: 0.0}
+        for path in sorted((out / "copies").glob("*.pt"), key=lambda p: int(p.stem)):
+            step = int(path.stem)
+            self.engine.load_weights(torch.load(path), step)
+            acc[step], at[step] = self._score(), clock[step]
+            path.unlink()
+        return {"accuracy": acc, "clock": at}
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str, float], threads: int):
+    """{side: [result per seed]}: one lockstep pair per seed, each side's copies scored on `heldout`."""
+    from vs_trl import SIDES, run_pair
+
+    evaluator = Evaluator(s, init, heldout)
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for i, seed in enumerate(seeds):
+        t0 = time.perf_counter()
+        raw = run_pair(
+            s, init, root, seed, first=SIDES[i % 2], threads=threads, trainers=trainers(s, heldout, lrs)
+        )
+        for side in SIDES:
+            r = raw[side]
+            scored = evaluator.run(root / f"{side}_seed{seed}", r["step_times"])
+            results[side].append(
+                {**scored, "seed": seed, "step_times": r["step_times"], "rewards": r["rewards"]}
+            )
+            curve = " ".join(f"{k}:{a:.2f}" for k, a in sorted(scored["accuracy"].items()))
+            print(
+                f"  {heldout} seed {seed} {side:9s} lr {lrs[side]:g}: median step {median(r['step_times'][1:]):.2f}s, "
+                f"clock {sum(r['step_times']):.1f}s, mean completion {statistics.mean(r['completion_lengths']):.0f} "
+                f"tokens; accuracy by step {curve}",
+                flush=True,
+            )
+        print(f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)", flush=True)
+    return results, evaluator.start
+
+
+def choose_lrs(s: Setting, init: Path, root: Path, threads: int) -> dict[str, float]:
+    """Each side's lr of the grid with the best validation accuracy (mean of its last two evaluations)."""
+    if len(s.lrs) == 1:
+        return {"posttrain": s.lrs[0], "trl": s.lrs[0]}
+    scores: dict[str, dict[float, float]] = {"posttrain": {}, "trl": {}}
+    for lr in s.lrs:
+        results, _ = pairs(
+            s, init, root / f"tune_{lr:g}", (TUNE_SEED,), "validation", {"posttrain": lr, "trl": lr}, threads
+        )
+        for side, runs in results.items():
+            scores[side][lr] = final_accuracy(runs[0], WINDOW)
+    for side, by_lr in scores.items():
+        print(
+            f"validation accuracy by lr, {side}: " + ", ".join(f"{lr:g}: {a:.3f}" for lr, a in by_lr.items())
+        )
+    return {side: max(by_lr, key=by_lr.get) for side, by_lr in scores.items()}
+
+
+def mean_curve(runs: list[dict]) -> dict:
+    """Accuracy and clock averaged over seeds at each evaluated step."""
+    steps = sorted(runs[0]["accuracy"])
+    return {
+        "accuracy": {k: statistics.mean(r["accuracy"][k] for r in runs) for k in steps},
+        "clock": {k: statistics.mean(r["clock"][k] for r in runs) for k in steps},
+    }
+
+
+def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -> None:
+    finals = {
+        side: statistics.mean(final_accuracy(r, WINDOW) for r in runs) for side, runs in results.items()
+    }
+    target = min(finals.values())
+    print(
+        f"test accuracy: warm start {acc0:.3f}; final (mean over seeds of the last {WINDOW} evaluations) "
+        + ", ".join(f"{side} {a:.3f}" for side, a in finals.items())
+        + f"; target = the lower, {target:.3f}"
+    )
+    hits = {side: time_to(mean_curve(runs), target, WINDOW) for side, runs in results.items()}
+    for side, hit in hits.items():
+        steps = median([median(r["step_times"][1:]) for r in results[side]])
+        where = f"at step {hit[1]}, {hit[0]:.1f} s of training" if hit else "not reached on the mean curve"
+        print(
+            f"{side:9s} (lr {lrs[side]:g}): median step {steps:.2f}s; seed-mean curve reaches the target {where}"
+        )
+    per_seed = []
+    for ours, theirs in zip(results["posttrain"], results["trl"]):
+        a, b = time_to(ours, target, WINDOW), time_to(theirs, target, WINDOW)
+        if a and b:
+            per_seed.append(b[0] / a[0])
+        print(
+            f"seed {ours['seed']}: time to {target:.3f}: posttrain {a[0] if a else math.nan:.1f}s, "
+            f"trl {b[0] if b else math.nan:.1f}s; final acc posttrain {final_accuracy(ours, WINDOW):.3f}, "
+            f"trl {final_accuracy(theirs, WINDOW):.3f}"
+        )
+    if per_seed:
+        lo, hi = (math.exp(v) for v in t_interval([math.log(q) for q in per_seed]))
+        gmean = math.exp(statistics.mean(math.log(q) for q in per_seed))
+        print(
+            f"per-seed time-to-target ratio trl/posttrain ({len(per_seed)} seeds where both reach it): "
+            + ", ".join(f"{q:.2f}" for q in per_seed)
+            + f"; median {median(per_seed):.2f}, geometric mean {gmean:.2f} [{lo:.2f}, {hi:.2f}]"
+        )
+    diffs = [
+        100 * (final_accuracy(a, WINDOW) - final_accuracy(b, WINDOW))
+        for a, b in zip(results["posttrain"], results["trl"])
+    ]
+    print(summary("final test accuracy posttrain - trl", diffs, unit=" pts"))
+    lo, _ = t_interval(diffs)
+    ratio = hits["trl"][0] / hits["posttrain"][0] if all(hits.values()) else math.nan
+    print(result_line("grpo_time_to_acc_vs_trl_chain", ratio, ">=3"))
+    print(result_line("heldout_acc_minus_trl_chain", statistics.mean(diffs), ">=-2"))
+    print(result_line("heldout_acc_minus_trl_chain_ci_low", lo, ">=-2"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run of every part at 3m (under a minute)")
+    ap.add_argument("--seeds", type=int, default=None, help="test seeds (default 5; quick 1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every process")
+    ap.add_argument("--workdir", default=None, help="keep the warm start and runs here (default: a temp dir)")
+    args = ap.parse_args()
+    require("trl", "datasets", "scipy")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    s = QUICK if args.quick else FULL
+    if args.seeds is not None:
+        s = dataclasses.replace(s, seeds=tuple(range(args.seeds)))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.workdir or tmp)
+        t0 = time.perf_counter()
+        init = warm_start(s, root)
+        print(f"warm start: {s.sft_steps} SFT steps ({time.perf_counter() - t0:.0f}s)", flush=True)
+        lrs = choose_lrs(s, init, root, args.threads)
+        print(f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}", flush=True)
+        results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads)
+    print(
+        f"setting: {s.size} ({SIZE if not args.quick else s.size}), chain of {s.num_steps} steps, "
+        f"{s.prompts_per_step} prompts x {s.generations} completions, {s.steps} steps, eval every "
+        f"{s.eval_every}, seeds {list(s.seeds)}, {args.threads} threads per process (lockstep)"
+    )
+    report(results, acc0, lrs)
+
+
+if __name__ == "__main__":
+    run_main(main)
