@@ -9,8 +9,8 @@ values of x -> x + 137 mod 1000 that follow, comma-separated, then `=` and the l
 tokens with EOS when right (an answer is right only when every step was). Problems are the 1000 start numbers:
 800 train, 100 validation, 100 test, never shared.
 
-Warm start: posttrain SFT on the training problems' shown work (run once, cached in the workdir with its
-setting). Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
+Warm start: posttrain SFT on the training problems' shown work, batch 16, 200 steps at lr 2e-3 then 300
+at lr 1e-3 (a second run from the first's weights; each stage cached in the workdir with its setting). Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
 token-level loss mean over the step, no KL, clip 0.2, grad-norm clip 1, constant lr, one optimizer
 step per generation batch, group-normalized advantages, temperature 1, no reference model, stop at EOS),
 and TRL with `optim="adamw_torch_fused"` as in _grpo_at_size.py.
@@ -63,7 +63,7 @@ WINDOW = 2  # evaluations averaged into one point of a curve
 class Setting:
     """What both sides share (vs_trl.Setting's fields, which run_pair and the trainers read, and more)."""
 
-    sft_steps: int
+    sft_stages: tuple[tuple[int, float], ...]  # (steps, constant lr) of each SFT run, each from the last
     prompts_per_step: int
     generations: int
     max_new_tokens: int
@@ -77,7 +77,6 @@ class Setting:
     lr: float = 0.0  # set per run from `lrs`
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
-    sft_lr: float = 2e-3
     sft_batch: int = 16
 
     @property
@@ -89,7 +88,7 @@ class Setting:
 
 
 FULL = Setting(
-    sft_steps=300,
+    sft_stages=((200, 2e-3), (300, 1e-3)),
     prompts_per_step=4,
     generations=4,
     max_new_tokens=140,
@@ -100,7 +99,7 @@ FULL = Setting(
 )
 # a smoke run of every part (the 3m size, 8-step chains, one seed): under a minute, numbers meaningless
 QUICK = Setting(
-    sft_steps=4,
+    sft_stages=((2, 2e-3), (2, 1e-3)),
     prompts_per_step=2,
     generations=2,
     max_new_tokens=40,
@@ -117,36 +116,43 @@ QUICK = Setting(
 
 
 def warm_start(s: Setting, root: Path) -> Path:
-    """The SFT warm start of setting `s` under `root` (reused when one of the same setting is there)."""
+    """The SFT warm start of setting `s` under `root`: one SFT run per stage of `s.sft_stages`, each from
+    the last one's weights with a fresh optimizer. A stage already there with the same setting (its
+    `setting.json`) is reused."""
     from _grpo_at_size import save_model
 
     from posttrain.algorithms.sft import SFTConfig, run_sft
 
-    key = {"size": s.size, "steps": s.sft_steps, "lr": s.sft_lr, "batch": s.sft_batch, "chain": s.num_steps}
-    out = root / "sft"
-    if (out / "hf").exists() and json.loads((out / "setting.json").read_text()) == key:
-        return out / "hf"
-    shutil.rmtree(out, ignore_errors=True)
-    params, _ = save_model(s.size, root / "init")
-    cfg = SFTConfig.model_validate(
-        {
-            "policy": {
-                "model": {"name": str(root / "init")},
-                "train_global_batch_size": s.sft_batch,
-                "microbatch": {"train_micro_batch_size": s.sft_batch},
-                "optimizer": {"lr": s.sft_lr},
-                "init_reference_model": False,
-            },
-            "task": s.task("validation"),
-            "max_num_steps": s.sft_steps,
-            "val_period": 0,
-            "output_dir": str(out),
-            "logging": {"progress_bar": False},
-        }
-    )
-    run_sft(cfg)
-    (out / "setting.json").write_text(json.dumps(key))
-    return out / "hf"
+    init = root / "init"
+    if not (init / "config.json").exists():
+        save_model(s.size, init)
+    key: dict = {"size": s.size, "batch": s.sft_batch, "chain": s.num_steps, "stages": []}
+    for i, (steps, lr) in enumerate(s.sft_stages):
+        key["stages"].append([steps, lr])
+        out = root / f"sft{i}"
+        done = (out / "setting.json").exists() and json.loads((out / "setting.json").read_text()) == key
+        if not done:
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = SFTConfig.model_validate(
+                {
+                    "policy": {
+                        "model": {"name": str(init)},
+                        "train_global_batch_size": s.sft_batch,
+                        "microbatch": {"train_micro_batch_size": s.sft_batch},
+                        "optimizer": {"lr": lr},
+                        "init_reference_model": False,
+                    },
+                    "task": s.task("validation"),
+                    "max_num_steps": steps,
+                    "val_period": 0,
+                    "output_dir": str(out),
+                    "logging": {"progress_bar": False},
+                }
+            )
+            run_sft(cfg)
+            (out / "setting.json").write_text(json.dumps(key))
+        init = out / "hf"
+    return init
 
 
 # --------------------------------------------------------------------------- weight copies (in the sides)
@@ -266,7 +272,8 @@ def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str
             print(
                 f"  {heldout} seed {seed} {side:9s} lr {lrs[side]:g}: median step {median(r['step_times'][1:]):.2f}s, "
                 f"clock {sum(r['step_times']):.1f}s, mean completion {statistics.mean(r['completion_lengths']):.0f} "
-                f"tokens; accuracy by step {curve}",
+                f"tokens; accuracy by step {curve}"
+                + "".join(f"; {k} {v:.2f}s" for k, v in r["phases"].items()),
                 flush=True,
             )
         print(f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)", flush=True)
@@ -365,7 +372,8 @@ def main() -> None:
         root = Path(args.workdir or tmp)
         t0 = time.perf_counter()
         init = warm_start(s, root)
-        print(f"warm start: {s.sft_steps} SFT steps ({time.perf_counter() - t0:.0f}s)", flush=True)
+        stages = " then ".join(f"{n} steps at lr {lr:g}" for n, lr in s.sft_stages)
+        print(f"warm start: SFT {stages} ({time.perf_counter() - t0:.0f}s)", flush=True)
         lrs = choose_lrs(s, init, root, args.threads)
         print(f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}", flush=True)
         results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads)

@@ -51,5 +51,5 @@ def test_task_union_keys_are_checked_against_the_chosen_task():
         ConfigError, match=r"unknown config key 'task.max_operandd'. Did you mean 'task.max_operand'"
     ):
         load_config(SFTConfig, None, ["task.max_operandd=3"])
-    with pytest.raises(ConfigError, match="'arithmetic', 'math', 'custom'"):
+    with pytest.raises(ConfigError, match="'arithmetic', 'chain', 'math', 'custom'"):
         load_config(SFTConfig, None, ["task.name=arith"])
