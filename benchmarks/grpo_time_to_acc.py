@@ -9,7 +9,7 @@ values of x -> x + 137 mod 1000 that follow, comma-separated, then `=` and the l
 tokens with EOS when right (an answer is right only when every step was). Problems are the 1000 start numbers:
 800 train, 100 validation, 100 test, never shared.
 
-Warm start: posttrain SFT on the training problems' shown work, batch 16, 200 steps at lr 2e-3 then 300
+Warm start: posttrain SFT on the training problems' shown work, batch 16, 200 steps at lr 2e-3 then 100
 at lr 1e-3 (a second run from the first's weights; each stage cached in the workdir with its setting). Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
 token-level loss mean over the step, no KL, clip 0.2, grad-norm clip 1, constant lr, one optimizer
 step per generation batch, group-normalized advantages, temperature 1, no reference model, stop at EOS),
@@ -88,13 +88,13 @@ class Setting:
 
 
 FULL = Setting(
-    sft_stages=((200, 2e-3), (300, 1e-3)),
+    sft_stages=((200, 2e-3), (100, 1e-3)),
     prompts_per_step=4,
     generations=4,
     max_new_tokens=140,
     steps=30,
     seeds=(0, 1, 2, 3, 4),
-    lrs=(1e-4, 3e-4),
+    lrs=(2e-4, 8e-4),
     eval_every=5,
 )
 # a smoke run of every part (the 3m size, 8-step chains, one seed): under a minute, numbers meaningless
