@@ -72,7 +72,7 @@ class Setting:
     lrs: tuple[float, ...]
     eval_every: int
     size: str = SIZE
-    num_steps: int = 32  # the chain's length: 4 tokens per step + '=' + 3 + EOS
+    num_steps: int = 11  # the chain's length (136 completion tokens, EOS included; task default)
     temperature: float = 1.0
     lr: float = 0.0  # set per run from `lrs`
     clip_eps: float = 0.2
