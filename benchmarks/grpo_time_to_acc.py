@@ -94,7 +94,7 @@ FULL = Setting(
     max_new_tokens=140,
     steps=30,
     seeds=(0, 1, 2, 3, 4),
-    lrs=(2e-4, 8e-4),
+    lrs=(1e-5, 3e-5, 1e-4),
     eval_every=5,
 )
 # a smoke run of every part (the 3m size, 8-step chains, one seed): under a minute, numbers meaningless
