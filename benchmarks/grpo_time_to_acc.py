@@ -126,7 +126,12 @@ def warm_start(s: Setting, root: Path) -> Path:
     init = root / "init"
     if not (init / "config.json").exists():
         save_model(s.size, init)
-    key: dict = {"size": s.size, "batch": s.sft_batch, "chain": s.num_steps, "stages": []}
+    key: dict = {
+        "size": s.size,
+        "batch": s.sft_batch,
+        "chain": s.num_steps,
+        "stages": [],
+    }
     for i, (steps, lr) in enumerate(s.sft_stages):
         key["stages"].append([steps, lr])
         out = root / f"sft{i}"
@@ -167,7 +172,10 @@ def save_copy(out: Path, every: int, model, step: int) -> None:
         return
     state = model.engine_state_dict() if hasattr(model, "engine_state_dict") else model.state_dict()
     (out / "copies").mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, out / "copies" / f"{step}.pt")
+    torch.save(
+        {k: v.detach().to("cpu", copy=True) for k, v in state.items()},
+        out / "copies" / f"{step}.pt",
+    )
 
 
 def trainers(s: Setting, heldout: str, lrs: dict[str, float]) -> dict:
@@ -176,7 +184,10 @@ def trainers(s: Setting, heldout: str, lrs: dict[str, float]) -> dict:
 
     def side(fn, name: str, **kw):
         return functools.partial(
-            _at_lr, functools.partial(fn, task=s.task(heldout), save=False, **kw), lrs[name], s.eval_every
+            _at_lr,
+            functools.partial(fn, task=s.task(heldout), save=False, **kw),
+            lrs[name],
+            s.eval_every,
         )
 
     return {
@@ -222,7 +233,9 @@ class Evaluator:
         self.task = build_task(self.cfg.task, self.tokenizer)
         model = engine_model(self.cfg.policy.model, self.cfg.policy.lora, self.tokenizer)
         self.engine = GenerationEngine(
-            model, self.tokenizer, engine_config(self.cfg.generation, self.cfg.sampling, self.task)
+            model,
+            self.tokenizer,
+            engine_config(self.cfg.generation, self.cfg.sampling, self.task),
         )
         self.start = self._score()  # the warm start, as loaded
 
@@ -251,24 +264,67 @@ class Evaluator:
 # --------------------------------------------------------------------------- runs
 
 
-def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str, float], threads: int):
-    """{side: [result per seed]}: one lockstep pair per seed, each side's copies scored on `heldout`."""
+def pairs(
+    s: Setting,
+    init: Path,
+    root: Path,
+    seeds,
+    heldout: str,
+    lrs: dict[str, float],
+    threads: int,
+):
+    """{side: [result per seed]}: one lockstep pair per seed, each side's copies scored on `heldout`.
+    Each scored pair is kept in `root` (pair_<heldout>_seed<seed>.json, with its setting) and reused by a
+    later run of the same setting, so a run that stops loses at most the pair under way."""
     from vs_trl import SIDES, run_pair
 
-    evaluator = Evaluator(s, init, heldout)
+    evaluator = None
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for i, seed in enumerate(seeds):
-        t0 = time.perf_counter()
-        raw = run_pair(
-            s, init, root, seed, first=SIDES[i % 2], threads=threads, trainers=trainers(s, heldout, lrs)
-        )
-        for side in SIDES:
-            r = raw[side]
-            scored = evaluator.run(root / f"{side}_seed{seed}", r["step_times"])
-            results[side].append(
-                {**scored, "seed": seed, "step_times": r["step_times"], "rewards": r["rewards"]}
+        key = {
+            "setting": dataclasses.asdict(dataclasses.replace(s, seeds=())),
+            "lrs": lrs,
+            "heldout": heldout,
+        }
+        path = root / f"pair_{heldout}_seed{seed}.json"
+        kept = json.loads(path.read_text()) if path.exists() else None
+        if kept is not None and kept["key"] == json.loads(json.dumps(key)):
+            scored_pair = {side: _with_int_steps(kept[side]) for side in SIDES}
+            print(f"  {heldout} seed {seed}: reused {path.name}", flush=True)
+        else:
+            t0 = time.perf_counter()
+            evaluator = evaluator or Evaluator(s, init, heldout)
+            raw = run_pair(
+                s,
+                init,
+                root,
+                seed,
+                first=SIDES[i % 2],
+                threads=threads,
+                trainers=trainers(s, heldout, lrs),
             )
-            curve = " ".join(f"{k}:{a:.2f}" for k, a in sorted(scored["accuracy"].items()))
+            scored_pair = {}
+            for side in SIDES:
+                r = raw[side]
+                scored = evaluator.run(root / f"{side}_seed{seed}", r["step_times"])
+                scored_pair[side] = {
+                    **scored,
+                    "seed": seed,
+                    "start": evaluator.start,
+                    "step_times": r["step_times"],
+                    "rewards": r["rewards"],
+                    "completion_lengths": r["completion_lengths"],
+                    "phases": r["phases"],
+                }
+            path.write_text(json.dumps({"key": key, **scored_pair}))
+            print(
+                f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)",
+                flush=True,
+            )
+        for side in SIDES:
+            r = scored_pair[side]
+            results[side].append(r)
+            curve = " ".join(f"{k}:{a:.2f}" for k, a in sorted(r["accuracy"].items()))
             print(
                 f"  {heldout} seed {seed} {side:9s} lr {lrs[side]:g}: median step {median(r['step_times'][1:]):.2f}s, "
                 f"clock {sum(r['step_times']):.1f}s, mean completion {statistics.mean(r['completion_lengths']):.0f} "
@@ -276,8 +332,15 @@ def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str
                 + "".join(f"; {k} {v:.2f}s" for k, v in r["phases"].items()),
                 flush=True,
             )
-        print(f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)", flush=True)
-    return results, evaluator.start
+    return results, results["posttrain"][0]["start"]
+
+
+def _with_int_steps(result: dict) -> dict:
+    """A result read back from JSON: its per-step dicts keyed by int again."""
+    return {
+        k: {int(step): v for step, v in val.items()} if k in ("accuracy", "clock") else val
+        for k, val in result.items()
+    }
 
 
 def choose_lrs(s: Setting, init: Path, root: Path, threads: int) -> dict[str, float]:
@@ -287,7 +350,13 @@ def choose_lrs(s: Setting, init: Path, root: Path, threads: int) -> dict[str, fl
     scores: dict[str, dict[float, float]] = {"posttrain": {}, "trl": {}}
     for lr in s.lrs:
         results, _ = pairs(
-            s, init, root / f"tune_{lr:g}", (TUNE_SEED,), "validation", {"posttrain": lr, "trl": lr}, threads
+            s,
+            init,
+            root / f"tune_{lr:g}",
+            (TUNE_SEED,),
+            "validation",
+            {"posttrain": lr, "trl": lr},
+            threads,
         )
         for side, runs in results.items():
             scores[side][lr] = final_accuracy(runs[0], WINDOW)
@@ -356,10 +425,18 @@ def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run of every part at 3m (under a minute)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of every part at 3m (under a minute)",
+    )
     ap.add_argument("--seeds", type=int, default=None, help="test seeds (default 5; quick 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every process")
-    ap.add_argument("--workdir", default=None, help="keep the warm start and runs here (default: a temp dir)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the warm start and runs here (default: a temp dir)",
+    )
     args = ap.parse_args()
     require("trl", "datasets", "scipy")
     import torch
@@ -375,7 +452,10 @@ def main() -> None:
         stages = " then ".join(f"{n} steps at lr {lr:g}" for n, lr in s.sft_stages)
         print(f"warm start: SFT {stages} ({time.perf_counter() - t0:.0f}s)", flush=True)
         lrs = choose_lrs(s, init, root, args.threads)
-        print(f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}", flush=True)
+        print(
+            f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}",
+            flush=True,
+        )
         results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads)
     print(
         f"setting: {s.size} ({SIZE if not args.quick else s.size}), chain of {s.num_steps} steps, "

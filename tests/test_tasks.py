@@ -517,3 +517,20 @@ def task_config(section: dict):
     from pydantic import TypeAdapter
 
     return TypeAdapter(TaskConfig).validate_python(section)
+
+
+def test_chain_partial_credit_counts_leading_right_parts(tok):
+    cfg = ChainTaskConfig(num_steps=3, reward_mode="steps")
+    task = build_task(cfg, tok)
+    item = next(it for it in task.train.items if it.prompt_id == 417)
+    work = item.metadata["work"]
+    assert work == "417+137=554,554+137=691,691+137=828:828"
+    wrong_second = "417+137=554,554+137=690,690+137=827:827"
+    right_but_no_answer = "417+137=554,554+137=691,691+137=828"
+    lucky_answer = "417+137=555,555+137=691,691+137=828:828"  # a wrong first step, the right answer
+    res = task.reward(
+        ["417:"] * 5, [work, wrong_second, right_but_no_answer, lucky_answer, ""], [item.metadata] * 5
+    )
+    assert res.rewards == [1.0, 0.25, 0.75, 0.0, 0.0]
+    answer_only = build_task(cfg.model_copy(update={"reward_mode": "answer"}), tok)
+    assert answer_only.reward(["417:"], [lucky_answer], [item.metadata]).rewards == [1.0]

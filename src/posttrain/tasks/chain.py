@@ -51,6 +51,12 @@ class ChainTaskConfig(TaskConfigBase):
         description="Which held-out split is the task's eval set (tune on validation, report on test).",
     )
     max_eval_prompts: int | None = Field(None, ge=1, description="Cap on the number of held-out problems.")
+    reward_mode: Literal["answer", "steps"] = Field(
+        "answer",
+        description="answer: 1.0 for the right final value, else 0.0. steps: partial credit, the share of "
+        "the num_steps equations and the final value that are right before the first wrong one (1.0 only "
+        "when all are, so then held-out accuracy counts completions whose whole work is right).",
+    )
     prompt_format: PromptFormatConfig = Field(
         default_factory=lambda: PromptFormatConfig(chat_template="never", max_prompt_tokens=32)
     )
@@ -118,10 +124,28 @@ def split_starts(cfg: ChainTaskConfig) -> dict[str, list[SourcePrompt]]:
 
 
 class ChainReward:
-    """1.0 when the text after the completion's last ':' (up to EOS, cut at whitespace) is the final value."""
+    """1.0 when the text after the completion's last ':' (up to EOS, cut at whitespace) is the final value,
+    else 0.0; with `partial`, the share of leading parts (equations, then the final value) that are right."""
 
-    def __init__(self, stop_strings: list[str]) -> None:
+    def __init__(self, stop_strings: list[str], partial: bool = False) -> None:
         self.stop_strings = [s for s in stop_strings if s]
+        self.partial = partial
+
+    @staticmethod
+    def _leading_share(text: str, work: str) -> float:
+        """The share of `work`'s parts (its equations, then its final value) that `text` gets right, in
+        order, before its first wrong one."""
+
+        def parts(t: str) -> list[str]:
+            body, sep, final = t.rpartition(":")
+            return [*body.split(","), final] if sep else t.split(",")
+
+        want, right = parts(work), 0
+        for got, expected in zip(parts(text), want):
+            if got != expected:
+                break
+            right += 1
+        return right / len(want)
 
     def _clean(self, completion: str) -> str:
         for stop in self.stop_strings:
@@ -134,6 +158,8 @@ class ChainReward:
         texts = [self._clean(c) for c in completions]
         answers = [t.rsplit(":", 1)[1] if ":" in t else "" for t in texts]
         rewards = [1.0 if a == str(m["answer"]) else 0.0 for a, m in zip(answers, metadata)]
+        if self.partial:
+            rewards = [self._leading_share(t, m["work"]) for t, m in zip(texts, metadata)]
         work = sum(t == m["work"] for t, m in zip(texts, metadata)) / max(len(texts), 1)
         return RewardResult(rewards=rewards, metrics={"work_correct_fraction": work})
 
@@ -151,7 +177,7 @@ def build_chain_task(cfg: ChainTaskConfig, tokenizer: Any) -> Task:
         name="chain",
         train=train,
         eval=evals,
-        reward=make_scorer(cfg, ChainReward(stop_strings(tokenizer))),
+        reward=make_scorer(cfg, ChainReward(stop_strings(tokenizer), partial=cfg.reward_mode == "steps")),
         sft_examples=sft_examples(train, tokenizer, answer_key="work"),
         sft_completion_key="work",
     )
