@@ -126,12 +126,7 @@ def warm_start(s: Setting, root: Path) -> Path:
     init = root / "init"
     if not (init / "config.json").exists():
         save_model(s.size, init)
-    key: dict = {
-        "size": s.size,
-        "batch": s.sft_batch,
-        "chain": s.num_steps,
-        "stages": [],
-    }
+    key: dict = {"size": s.size, "batch": s.sft_batch, "chain": s.num_steps, "stages": []}
     for i, (steps, lr) in enumerate(s.sft_stages):
         key["stages"].append([steps, lr])
         out = root / f"sft{i}"
@@ -172,10 +167,7 @@ def save_copy(out: Path, every: int, model, step: int) -> None:
         return
     state = model.engine_state_dict() if hasattr(model, "engine_state_dict") else model.state_dict()
     (out / "copies").mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {k: v.detach().to("cpu", copy=True) for k, v in state.items()},
-        out / "copies" / f"{step}.pt",
-    )
+    torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, out / "copies" / f"{step}.pt")
 
 
 def trainers(s: Setting, heldout: str, lrs: dict[str, float]) -> dict:
@@ -184,10 +176,7 @@ def trainers(s: Setting, heldout: str, lrs: dict[str, float]) -> dict:
 
     def side(fn, name: str, **kw):
         return functools.partial(
-            _at_lr,
-            functools.partial(fn, task=s.task(heldout), save=False, **kw),
-            lrs[name],
-            s.eval_every,
+            _at_lr, functools.partial(fn, task=s.task(heldout), save=False, **kw), lrs[name], s.eval_every
         )
 
     return {
@@ -233,9 +222,7 @@ class Evaluator:
         self.task = build_task(self.cfg.task, self.tokenizer)
         model = engine_model(self.cfg.policy.model, self.cfg.policy.lora, self.tokenizer)
         self.engine = GenerationEngine(
-            model,
-            self.tokenizer,
-            engine_config(self.cfg.generation, self.cfg.sampling, self.task),
+            model, self.tokenizer, engine_config(self.cfg.generation, self.cfg.sampling, self.task)
         )
         self.start = self._score()  # the warm start, as loaded
 
@@ -264,15 +251,7 @@ class Evaluator:
 # --------------------------------------------------------------------------- runs
 
 
-def pairs(
-    s: Setting,
-    init: Path,
-    root: Path,
-    seeds,
-    heldout: str,
-    lrs: dict[str, float],
-    threads: int,
-):
+def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str, float], threads: int):
     """{side: [result per seed]}: one lockstep pair per seed, each side's copies scored on `heldout`.
     Each scored pair is kept in `root` (pair_<heldout>_seed<seed>.json, with its setting) and reused by a
     later run of the same setting, so a run that stops loses at most the pair under way."""
@@ -295,13 +274,7 @@ def pairs(
             t0 = time.perf_counter()
             evaluator = evaluator or Evaluator(s, init, heldout)
             raw = run_pair(
-                s,
-                init,
-                root,
-                seed,
-                first=SIDES[i % 2],
-                threads=threads,
-                trainers=trainers(s, heldout, lrs),
+                s, init, root, seed, first=SIDES[i % 2], threads=threads, trainers=trainers(s, heldout, lrs)
             )
             scored_pair = {}
             for side in SIDES:
@@ -317,10 +290,7 @@ def pairs(
                     "phases": r["phases"],
                 }
             path.write_text(json.dumps({"key": key, **scored_pair}))
-            print(
-                f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)",
-                flush=True,
-            )
+            print(f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)", flush=True)
         for side in SIDES:
             r = scored_pair[side]
             results[side].append(r)
@@ -350,13 +320,7 @@ def choose_lrs(s: Setting, init: Path, root: Path, threads: int) -> dict[str, fl
     scores: dict[str, dict[float, float]] = {"posttrain": {}, "trl": {}}
     for lr in s.lrs:
         results, _ = pairs(
-            s,
-            init,
-            root / f"tune_{lr:g}",
-            (TUNE_SEED,),
-            "validation",
-            {"posttrain": lr, "trl": lr},
-            threads,
+            s, init, root / f"tune_{lr:g}", (TUNE_SEED,), "validation", {"posttrain": lr, "trl": lr}, threads
         )
         for side, runs in results.items():
             scores[side][lr] = final_accuracy(runs[0], WINDOW)
@@ -425,18 +389,10 @@ def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run of every part at 3m (under a minute)",
-    )
+    ap.add_argument("--quick", action="store_true", help="a smoke run of every part at 3m (under a minute)")
     ap.add_argument("--seeds", type=int, default=None, help="test seeds (default 5; quick 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every process")
-    ap.add_argument(
-        "--workdir",
-        default=None,
-        help="keep the warm start and runs here (default: a temp dir)",
-    )
+    ap.add_argument("--workdir", default=None, help="keep the warm start and runs here (default: a temp dir)")
     args = ap.parse_args()
     require("trl", "datasets", "scipy")
     import torch
@@ -452,10 +408,7 @@ def main() -> None:
         stages = " then ".join(f"{n} steps at lr {lr:g}" for n, lr in s.sft_stages)
         print(f"warm start: SFT {stages} ({time.perf_counter() - t0:.0f}s)", flush=True)
         lrs = choose_lrs(s, init, root, args.threads)
-        print(
-            f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}",
-            flush=True,
-        )
+        print(f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}", flush=True)
         results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads)
     print(
         f"setting: {s.size} ({SIZE if not args.quick else s.size}), chain of {s.num_steps} steps, "
