@@ -87,11 +87,16 @@ def split_problems(cfg: ArithmeticTaskConfig) -> tuple[list[SourcePrompt], list[
     return train[: cfg.max_train_prompts], held[: cfg.max_eval_prompts]
 
 
-def parse_answer(completion: str, stop_strings: Sequence[str] = ()) -> str:
-    """The completion up to the first stop string (e.g. EOS), newline or whitespace."""
+def cut_at_stops(completion: str, stop_strings: Sequence[str]) -> str:
+    """The completion up to its first stop string (e.g. EOS)."""
     for stop in stop_strings:
         completion = completion.split(stop, 1)[0]
-    return re.match(r"\S*", completion).group(0)
+    return completion
+
+
+def parse_answer(completion: str, stop_strings: Sequence[str] = ()) -> str:
+    """The completion up to the first stop string (e.g. EOS), newline or whitespace."""
+    return re.match(r"\S*", cut_at_stops(completion, stop_strings)).group(0)
 
 
 class ArithmeticReward:

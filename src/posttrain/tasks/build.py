@@ -1,7 +1,7 @@
 """`TaskConfig` (one config type for every task, told apart by `name`) and `build_task`.
 
-Tasks: `arithmetic` (built-in demo), `chain` (built-in, long shown-work completions), `math` (a dataset scored by math-verify) and `custom` (a dataset scored
-by any reward function given by import path).
+Tasks: `arithmetic` (built-in demo), `chain` (built-in, long shown-work completions), `math` (a dataset
+scored by math-verify) and `custom` (a dataset scored by any reward function given by import path).
 """
 
 from __future__ import annotations

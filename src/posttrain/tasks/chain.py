@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from posttrain.tasks.arithmetic import sft_examples, stop_strings
+from posttrain.tasks.arithmetic import cut_at_stops, sft_examples, stop_strings
 from posttrain.tasks.datasets import PromptFormatConfig, SourcePrompt, build_prompt_dataset
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
@@ -63,17 +63,22 @@ class ChainTaskConfig(TaskConfigBase):
 
     @model_validator(mode="after")
     def _check(self) -> ChainTaskConfig:
-        held = round(self.modulus * self.validation_fraction) + round(self.modulus * self.test_fraction)
-        if min(round(self.modulus * self.validation_fraction), round(self.modulus * self.test_fraction)) < 1:
+        n_val, n_test = self.heldout_sizes
+        if min(n_val, n_test) < 1:
             raise ValueError(
                 f"modulus={self.modulus} leaves an empty validation or test split at fractions "
                 f"{self.validation_fraction}/{self.test_fraction}; raise the modulus or the fractions"
             )
-        if held >= self.modulus:
+        if n_val + n_test >= self.modulus:
             raise ValueError(
                 f"validation_fraction + test_fraction hold out all {self.modulus} problems; lower them"
             )
         return self
+
+    @property
+    def heldout_sizes(self) -> tuple[int, int]:
+        """(validation, test) problem counts."""
+        return round(self.modulus * self.validation_fraction), round(self.modulus * self.test_fraction)
 
     @property
     def width(self) -> int:
@@ -104,18 +109,19 @@ class ChainTaskConfig(TaskConfigBase):
 def split_starts(cfg: ChainTaskConfig) -> dict[str, list[SourcePrompt]]:
     """{train, validation, test} problems: a seeded permutation of the start numbers."""
     order = np.random.default_rng(cfg.seed).permutation(cfg.modulus).tolist()
-    n_val, n_test = round(cfg.modulus * cfg.validation_fraction), round(cfg.modulus * cfg.test_fraction)
+    n_val, n_test = cfg.heldout_sizes
     parts = {
         "validation": order[:n_val],
         "test": order[n_val : n_val + n_test],
         "train": order[n_val + n_test :],
     }
+    works = {x: cfg.work(x) for x in order}
     return {
         name: [
             SourcePrompt(
                 prompt_id=x,
                 text=f"{x:0{cfg.width}d}:",
-                metadata={"answer": cfg.work(x).rsplit(":", 1)[1], "work": cfg.work(x)},
+                metadata={"answer": works[x].rsplit(":", 1)[1], "work": works[x]},
             )
             for x in starts
         ]
@@ -147,15 +153,10 @@ class ChainReward:
             right += 1
         return right / len(want)
 
-    def _clean(self, completion: str) -> str:
-        for stop in self.stop_strings:
-            completion = completion.split(stop, 1)[0]
-        return completion.strip()
-
     def __call__(
         self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
     ) -> RewardResult:
-        texts = [self._clean(c) for c in completions]
+        texts = [cut_at_stops(c, self.stop_strings).strip() for c in completions]
         answers = [t.rsplit(":", 1)[1] if ":" in t else "" for t in texts]
         rewards = [1.0 if a == str(m["answer"]) else 0.0 for a, m in zip(answers, metadata)]
         if self.partial:
