@@ -1,5 +1,6 @@
-"""Statistics of the learning benchmarks (async_vs_sync_learning.py, grpo_time_to_acc.py): accuracy
-curves over evaluated steps, time to a target accuracy, and 95% Student-t intervals over seeds.
+"""Statistics of the learning benchmarks (async_vs_sync_learning.py, grpo_time_to_acc.py): held-out
+accuracy of weight copies (`HeldoutScorer`), accuracy curves over evaluated steps, time to a target
+accuracy, and 95% Student-t intervals over seeds.
 
 A result here is a dict with `accuracy` and `clock`, each {evaluated step: value}: held-out accuracy
 and seconds of training up to that step."""
@@ -58,3 +59,32 @@ def summary(name: str, values: list[float], scale: float = 1.0, unit: str = "") 
         f"{name}: median {scale * med:.3g}{unit}  mean {scale * mean:.3g}{unit}  "
         f"95% t-CI [{scale * lo:.3g}, {scale * hi:.3g}]{unit}  (n={len(values)})"
     )
+
+
+class HeldoutScorer:
+    """Greedy held-out accuracy (rollout.validation.validate, as both GRPO loops validate) of weights
+    loaded into one engine built from a GRPO config's model, task, generation and sampling sections."""
+
+    def __init__(self, cfg) -> None:
+        from posttrain.generation.engine import GenerationEngine
+        from posttrain.policy.model_init import build_tokenizer, engine_model
+        from posttrain.rollout.groups import engine_config
+        from posttrain.tasks.build import build_task
+
+        self.cfg = cfg
+        self.tokenizer = build_tokenizer(cfg.policy.model)
+        self.task = build_task(cfg.task, self.tokenizer)
+        model = engine_model(cfg.policy.model, cfg.policy.lora, self.tokenizer)
+        self.engine = GenerationEngine(
+            model, self.tokenizer, engine_config(cfg.generation, cfg.sampling, self.task)
+        )
+
+    def __call__(self, state: dict | None = None, version: int = 0) -> float:
+        """The accuracy of `state` (None: the weights as loaded)."""
+        from posttrain.rollout.validation import validate
+
+        if state is not None:
+            self.engine.load_weights(state, version)
+        return validate(self.engine, self.task, self.tokenizer, self.cfg.sampling, self.cfg.grpo)[
+            "val/accuracy"
+        ]

@@ -91,7 +91,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import ChildDied, median, require, result_line, run_main, start, watch  # noqa: E402
-from _stats import curve, final_accuracy, summary, t_interval, time_to  # noqa: E402
+from _stats import HeldoutScorer, curve, final_accuracy, summary, t_interval, time_to  # noqa: E402
 from async_vs_sync import parallel_capacity  # noqa: E402
 from vs_trl import TASK, Setting, policy_section, warm_start  # noqa: E402
 
@@ -159,24 +159,10 @@ def async_config(s: Setting, init: Path, out: Path, seed: int, ray_address: str 
 
 
 def evaluate(cfg, weights: dict[int, dict | None]) -> dict[int, float]:
-    """Greedy held-out accuracy (rollout.validation.validate, as both loops validate) of each
-    `weights[step]` loaded into one engine built from cfg.policy.model (None: its weights as loaded)."""
-    from posttrain.generation.engine import GenerationEngine
-    from posttrain.policy.model_init import build_tokenizer, engine_model
-    from posttrain.rollout.groups import engine_config
-    from posttrain.rollout.validation import validate
-    from posttrain.tasks.build import build_task
-
-    tokenizer = build_tokenizer(cfg.policy.model)
-    task = build_task(cfg.task, tokenizer)
-    model = engine_model(cfg.policy.model, cfg.policy.lora, tokenizer)
-    engine = GenerationEngine(model, tokenizer, engine_config(cfg.generation, cfg.sampling, task))
-    out = {}
-    for step, state in sorted(weights.items()):
-        if state is not None:
-            engine.load_weights(state, step)
-        out[step] = validate(engine, task, tokenizer, cfg.sampling, cfg.grpo)["val/accuracy"]
-    return out
+    """Greedy held-out accuracy (_stats.HeldoutScorer) of each `weights[step]` loaded into one engine
+    built from cfg (None: its weights as loaded)."""
+    score = HeldoutScorer(cfg)
+    return {step: score(state, step) for step, state in sorted(weights.items())}
 
 
 # --------------------------------------------------------------------------- one run (its own process)

@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, require, result_line, run_main  # noqa: E402
-from _stats import final_accuracy, summary, t_interval, time_to  # noqa: E402
+from _stats import HeldoutScorer, final_accuracy, summary, t_interval, time_to  # noqa: E402
 
 SIZE = "20m"
 TUNE_SEED = 1000
@@ -201,16 +201,12 @@ def _at_lr(fn, lr: float, every: int, s: Setting, init: Path, out: Path, seed: i
 
 
 class Evaluator:
-    """Greedy held-out accuracy of weight copies, one engine for both sides (posttrain's validate)."""
+    """Greedy held-out accuracy of weight copies, one engine for both sides (_stats.HeldoutScorer)."""
 
     def __init__(self, s: Setting, init: Path, heldout: str) -> None:
         from posttrain.algorithms import grpo
-        from posttrain.generation.engine import GenerationEngine
-        from posttrain.policy.model_init import build_tokenizer, engine_model
-        from posttrain.rollout.groups import engine_config
-        from posttrain.tasks.build import build_task
 
-        self.cfg = grpo.GRPOConfig.model_validate(
+        cfg = grpo.GRPOConfig.model_validate(
             {
                 "policy": {"model": {"name": str(init)}, "init_reference_model": False},
                 "task": s.task(heldout),
@@ -218,20 +214,8 @@ class Evaluator:
                 "generation": {"max_num_seqs": 128},
             }
         )
-        self.tokenizer = build_tokenizer(self.cfg.policy.model)
-        self.task = build_task(self.cfg.task, self.tokenizer)
-        model = engine_model(self.cfg.policy.model, self.cfg.policy.lora, self.tokenizer)
-        self.engine = GenerationEngine(
-            model, self.tokenizer, engine_config(self.cfg.generation, self.cfg.sampling, self.task)
-        )
-        self.start = self._score()  # the warm start, as loaded
-
-    def _score(self) -> float:
-        from posttrain.rollout.validation import validate
-
-        return validate(self.engine, self.task, self.tokenizer, self.cfg.sampling, self.cfg.grpo)[
-            "val/accuracy"
-        ]
+        self.score = HeldoutScorer(cfg)
+        self.start = self.score()  # the warm start, as loaded
 
     def run(self, out: Path, step_times: list[float]) -> dict:
         """{accuracy, clock} per evaluated step of the side that wrote `out` (step 0: the warm start);
@@ -242,8 +226,7 @@ class Evaluator:
         acc, at = {0: self.start}, {0: 0.0}
         for path in sorted((out / "copies").glob("*.pt"), key=lambda p: int(p.stem)):
             step = int(path.stem)
-            self.engine.load_weights(torch.load(path), step)
-            acc[step], at[step] = self._score(), clock[step]
+            acc[step], at[step] = self.score(torch.load(path), step), clock[step]
             path.unlink()
         return {"accuracy": acc, "clock": at}
 
