@@ -4,20 +4,23 @@
 
 Model: the size sweep's 20m shape (benchmarks/_sizes.py: Llama-3-style, 6 layers, hidden 384, 32000-token
 vocabulary, 21.7M parameters), random init, and its widened character tokenizer (_grpo_at_size.py).
-Task: posttrain's `chain` task (posttrain/tasks/chain.py): from a start number x0 (`417:`) write the 32
-values of x -> x + 137 mod 1000 that follow, comma-separated, then `=` and the last one: 132 completion
-tokens with EOS when right (an answer is right only when every step was). Problems are the 1000 start numbers:
-800 train, 100 validation, 100 test, never shared.
+Task: posttrain's `chain` task (posttrain/tasks/chain.py): from a start number x0 (`417:`) write 11 steps
+of x -> x + 137 mod 1000 as equations, then `:` and the last value (`417+137=554,...,787+137=924:924`):
+136 completion tokens with EOS; right only when the final value is. Problems are the 1000 start
+numbers: 800 train, 100 validation, 100 test, never shared.
 
 Warm start: posttrain SFT on the training problems' shown work, batch 16, 200 steps at lr 2e-3 then 100
-at lr 1e-3 (a second run from the first's weights; each stage cached in the workdir with its setting). Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
+at lr 1e-3 (a second run from the first's weights; each stage cached in the workdir with its setting).
+Both sides then run GRPO from it with the same setting (vs_trl.py's mapping of every option:
 token-level loss mean over the step, no KL, clip 0.2, grad-norm clip 1, constant lr, one optimizer
 step per generation batch, group-normalized advantages, temperature 1, no reference model, stop at EOS),
 and TRL with `optim="adamw_torch_fused"` as in _grpo_at_size.py.
 
-Learning rate: chosen on the validation split for each side alike: one pair of runs per lr of the grid
-(seed 1000), each side taking the lr with the best validation accuracy averaged over its last two
-evaluations. Then `--seeds` pairs (seeds 0..N-1) at the chosen lrs, evaluated on the test split.
+Steps and learning rates: 120 steps of 4 prompts x 4 completions; at 30 steps no lr of 1e-5..2e-4 moved
+validation accuracy on either side, and posttrain alone at 5e-5 went 0.34 -> 0.38-0.44 over steps 90-120
+(benchmarks/RESULTS.md). The lr is chosen on the validation split for each side alike: one pair of runs
+per lr of the grid (seed 1000), each side taking the lr with the best validation accuracy averaged over
+its last two evaluations. Then `--seeds` pairs (seeds 0..N-1) at the chosen lrs, evaluated on the test split.
 
 Timing: each pair runs in lockstep (vs_trl.run_pair: two processes take turns one step each, both with
 `--threads` threads), the clock of a side is the sum of its step times (generate, score, train, and
@@ -92,10 +95,10 @@ FULL = Setting(
     prompts_per_step=4,
     generations=4,
     max_new_tokens=140,
-    steps=30,
+    steps=120,
     seeds=(0, 1, 2, 3, 4),
-    lrs=(1e-5, 3e-5, 1e-4),
-    eval_every=5,
+    lrs=(5e-5, 1e-4),
+    eval_every=10,
 )
 # a smoke run of every part (the 3m size, 8-step chains, one seed): under a minute, numbers meaningless
 QUICK = Setting(
