@@ -231,6 +231,15 @@ class ClippedPGLoss:
             return tuple(k for k in self._keys if k != "prev_logprobs")
         return self._keys
 
+    def inert_rows(self, batch) -> torch.Tensor | None:
+        """[B] bool: rows whose loss and gradient are exactly 0, whatever the logprobs: every advantage
+        of the row's trained tokens is 0 (the clipped, dual-clipped, plain and importance-weighted terms
+        are all advantage x something) and no reference KL term is on. The trainer counts them in the
+        step's normalizer without running them (policy.microbatch.skip_inert_rows). None: none can be."""
+        if self.cfg.reference_policy_kl_penalty > 0:
+            return None
+        return ~((batch["advantages"] != 0) & (token_weights(batch) > 0)).any(-1)
+
     def _importance_weights(self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor):
         cfg = self.cfg
         if not cfg.use_importance_sampling_correction:

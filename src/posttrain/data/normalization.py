@@ -57,10 +57,17 @@ def combine(kind: MetricKind, a: float, b: float) -> float:
 
 
 def finalize_metrics(
-    raw: dict[str, float], kinds: dict[str, MetricKind], loss_type: LossType, seqs: float, toks: float
+    raw: dict[str, float],
+    kinds: dict[str, MetricKind],
+    loss_type: LossType,
+    seqs: float,
+    toks: float,
+    skipped: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, float]:
-    """Turn raw (placeholder-normalized, globally reduced) metric sums into their declared means."""
-    loss_n = toks if loss_type == LossType.TOKEN_LEVEL else seqs
+    """Turn raw (placeholder-normalized, globally reduced) metric sums into their declared means.
+    `skipped`: (seqs, toks) of inert rows counted but not run: in the loss's normalizer (so the loss
+    metrics equal a run over every row), not in the token and sequence means of the rows run."""
+    loss_n = toks + skipped[1] if loss_type == LossType.TOKEN_LEVEL else seqs + skipped[0]
     denom = {"toks": toks, "seqs": seqs, "loss_type": loss_n}
     out = {}
     for name, value in raw.items():

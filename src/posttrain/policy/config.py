@@ -48,6 +48,13 @@ class MicroBatchConfig(Config):
         "prompt once per micro-batch, then each completion on its keys/values; same logprobs and "
         "gradients, fewer tokens. Used when it drops at least a quarter of a micro-batch's tokens",
     )
+    skip_inert_rows: bool = Field(
+        True,
+        description="training: rows the loss declares inert (loss and gradient exactly 0: a policy-"
+        "gradient row whose every advantage is 0, when no KL term is on) are counted in the step's "
+        "normalizer but not run; same update, less compute. Token- and sequence-mean metrics then "
+        "average over the rows run",
+    )
 
 
 class OptimizerConfig(Config):

@@ -35,12 +35,15 @@ class OpenStep:
     seqs: torch.Tensor = field(init=False)
     toks: torch.Tensor = field(init=False)
     nonfinite: torch.Tensor = field(init=False)
+    skipped_seqs: torch.Tensor = field(init=False)  # inert rows: counted in the normalizer, not run
+    skipped_toks: torch.Tensor = field(init=False)
     raw: dict[str, torch.Tensor] = field(default_factory=dict)
     num_microbatches: int = 0
 
     def __post_init__(self) -> None:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self.seqs, self.toks, self.nonfinite = zero.clone(), zero.clone(), zero.clone()
+        self.skipped_seqs, self.skipped_toks = zero.clone(), zero.clone()
         kinds: dict[str, MetricKind] = self.loss_fn.metric_kinds
         self.raw = {
             k: torch.full((), identity_of(kind), dtype=torch.float64, device=self.device)
@@ -71,10 +74,16 @@ class OpenStep:
                 self.raw[name] = self.raw[name] + v
         self.num_microbatches += 1
 
+    def skip(self, seqs: torch.Tensor, toks: torch.Tensor) -> None:
+        """Count rows the loss declared inert (not run): they join the loss's normalizer only."""
+        self.skipped_seqs += seqs.double()
+        self.skipped_toks += toks.double()
+
     def packed_for_reduce(
         self,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str], list[str]]:
-        """(sum vector [seqs, toks, nonfinite, microbatches, *sum-metrics], min vector, max vector, and their names)."""
+        """(sum vector [seqs, toks, nonfinite, microbatches, skipped seqs, skipped toks, *sum-metrics], min
+        vector, max vector, and their names)."""
         kinds = self.loss_fn.metric_kinds
         names = sorted(kinds)
         sums = [n for n in names if kinds[n] not in ("min", "max")]
@@ -85,7 +94,8 @@ class OpenStep:
             return torch.stack(items) if items else torch.zeros(0, dtype=torch.float64, device=self.device)
 
         n_mb = torch.tensor(float(self.num_microbatches), dtype=torch.float64, device=self.device)
-        sum_vec = stack([self.seqs, self.toks, self.nonfinite, n_mb] + [self.raw[n] for n in sums])
+        counts = [self.seqs, self.toks, self.nonfinite, n_mb, self.skipped_seqs, self.skipped_toks]
+        sum_vec = stack(counts + [self.raw[n] for n in sums])
         return (
             sum_vec,
             stack([self.raw[n] for n in mins]),
@@ -94,6 +104,13 @@ class OpenStep:
             mins,
             maxs,
         )
+
+
+def valid_counts(data) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, trained tokens) of a batch's rows under the normalization contract: sample_mask summed,
+    token_mask[:, 1:] x sample_mask summed."""
+    sample_mask = data["sample_mask"].float()
+    return sample_mask.sum(), (data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
 
 
 def merge_step_metrics(results: list[dict[str, float]], kinds: dict[str, MetricKind]) -> dict[str, float]:

@@ -57,6 +57,7 @@ from posttrain.policy.train_step import (
     check_loss_head,
     loss_normalizer,
     merge_step_metrics,
+    valid_counts,
 )
 
 log = get_logger(__name__)
@@ -246,6 +247,8 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self._run_microbatches(step, batch)
 
     def _run_microbatches(self, step: OpenStep, batch: TensorDict) -> None:
+        if not step.eval_mode:
+            batch = self._without_inert_rows(step, batch)
         # a loss over row pairs (DPO, Bradley-Terry) declares `row_group = 2`: each pair stays in one micro-batch
         mbs = self._matched(self._cut(batch, training=True, row_group=getattr(step.loss_fn, "row_group", 1)))
         was_training = self.model.training
@@ -255,6 +258,23 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
                 self._forward_backward(step, mb.to(self.device))
         finally:
             self._set_training(was_training)
+
+    def _without_inert_rows(self, step: OpenStep, batch: TensorDict) -> TensorDict:
+        """`batch` less the rows its loss declares inert (`inert_rows`: loss and gradient exactly 0), which
+        are counted into the step's normalizer instead (policy.microbatch.skip_inert_rows). When every
+        row is inert one is kept: each rank still makes its model calls, and the optimizer steps on zero
+        gradients as it would have (Adam's moments move), not on none."""
+        find = getattr(step.loss_fn, "inert_rows", None)
+        if find is None or not self.cfg.microbatch.skip_inert_rows:
+            return batch
+        inert = find(batch)
+        if inert is None or not bool(inert.any()):
+            return batch
+        if bool(inert.all()):
+            inert = inert.clone()
+            inert[0] = False
+        step.skip(*valid_counts(batch[inert]))
+        return batch[~inert]
 
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
@@ -271,9 +291,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             if not step.eval_mode:
                 loss.backward()
         if not mb.is_dummy:
-            sample_mask = mb.data["sample_mask"].float()
-            toks = (mb.data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
-            step.add(sample_mask.sum(), toks, loss, metrics)
+            step.add(*valid_counts(mb.data), loss, metrics)
 
     @verb(*TRAIN_ONLY, collective=True, in_step=True)
     def finish_train_step(self) -> dict[str, float]:
@@ -284,15 +302,23 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self._all_reduce(sum_vec)
         self._all_reduce(min_vec, dist.ReduceOp.MIN)
         self._all_reduce(max_vec, dist.ReduceOp.MAX)
-        seqs, toks, nonfinite, n_mb = (float(x) for x in sum_vec[:4].tolist())
+        seqs, toks, nonfinite, n_mb, skip_seqs, skip_toks = (float(x) for x in sum_vec[:6].tolist())
         raw = (
-            dict(zip(sums, sum_vec[4:].tolist()))
+            dict(zip(sums, sum_vec[6:].tolist()))
             | dict(zip(mins, min_vec.tolist()))
             | dict(zip(maxs, max_vec.tolist()))
         )
         loss_fn = step.loss_fn
-        metrics = finalize_metrics(raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks)
-        metrics.update(global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=n_mb)
+        metrics = finalize_metrics(
+            raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks, skipped=(skip_seqs, skip_toks)
+        )
+        metrics.update(
+            global_valid_seqs=seqs + skip_seqs,
+            global_valid_toks=toks + skip_toks,
+            num_microbatches=n_mb,
+            inert_seqs_skipped=skip_seqs,
+        )
+        seqs, toks = seqs + skip_seqs, toks + skip_toks  # the gradient's normalizer counts every row
         if nonfinite > 0:
             self.abort_train_step()
             raise NonFiniteLossError(
