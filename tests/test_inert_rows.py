@@ -13,7 +13,15 @@ from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.policy.policy import Policy
 
 INERT = [1, 4]  # zero advantages; row 5 is sample-masked (random_batch), so inert as well
-SAME = ("loss", "pg_loss", "grad_norm", "global_valid_toks", "global_valid_seqs")
+SAME = (
+    "loss",
+    "pg_loss",
+    "grad_norm",
+    "global_valid_toks",
+    "global_valid_seqs",
+    "num_valid_samples",
+    "num_valid_tokens",
+)
 
 
 def batch_with_inert_rows(seed: int = 0, rows=INERT):

@@ -66,7 +66,8 @@ def finalize_metrics(
 ) -> dict[str, float]:
     """Turn raw (placeholder-normalized, globally reduced) metric sums into their declared means.
     `skipped`: (seqs, toks) of inert rows counted but not run: in the loss's normalizer (so the loss
-    metrics equal a run over every row), not in the token and sequence means of the rows run."""
+    metrics equal a run over every row) and in the `num_valid_*` counts, not in the token and sequence
+    means of the rows run."""
     loss_n = toks + skipped[1] if loss_type == LossType.TOKEN_LEVEL else seqs + skipped[0]
     denom = {"toks": toks, "seqs": seqs, "loss_type": loss_n}
     out = {}
@@ -76,4 +77,8 @@ def finalize_metrics(
             out[name] = value / denom[kind] if denom[kind] > 0 else 0.0
         else:
             out[name] = value
+    # the losses' own counts (num_valid_*) cover every row the step trained on, the inert ones included
+    for name, extra in (("num_valid_samples", skipped[0]), ("num_valid_tokens", skipped[1])):
+        if name in out:
+            out[name] += extra
     return out
