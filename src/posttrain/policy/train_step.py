@@ -14,11 +14,13 @@ its declared kind (see data/normalization.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from posttrain.data.normalization import LossFn, LossType, MetricKind, combine, identity_of
+from posttrain.data.normalization import LossFn, LossType, MetricKind, combine, finalize_metrics, identity_of
 
 
 class NonFiniteLossError(RuntimeError):
@@ -111,6 +113,47 @@ def valid_counts(data) -> tuple[torch.Tensor, torch.Tensor]:
     token_mask[:, 1:] x sample_mask summed."""
     sample_mask = data["sample_mask"].float()
     return sample_mask.sum(), (data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
+
+
+def without_inert_rows(step: OpenStep, batch):
+    """`batch` less the rows its loss declares inert (`inert_rows`: loss and gradient exactly 0), which
+    are counted into the step's normalizer instead (policy.microbatch.skip_inert_rows). When every row
+    is inert one is kept: each rank still makes its model calls, and the optimizer steps on zero
+    gradients as it would have (Adam's moments move), not on none."""
+    find = getattr(step.loss_fn, "inert_rows", None)
+    inert = find(batch) if find is not None else None
+    if inert is None or not bool(inert.any()):
+        return batch
+    if bool(inert.all()):
+        inert = inert.clone()
+        inert[0] = False
+    step.skip(*valid_counts(batch[inert]))
+    return batch[~inert]
+
+
+def reduce_step(step: OpenStep, all_reduce: Callable) -> tuple[dict[str, float], float, float, float]:
+    """Counts and metric sums of the step reduced over ranks (`all_reduce(tensor, op)` in place):
+    (final metrics, global sequences, global tokens (inert rows included: the gradient's normalizer
+    counts every row), non-finite micro-batches)."""
+    sum_vec, min_vec, max_vec, sums, mins, maxs = step.packed_for_reduce()
+    all_reduce(sum_vec)
+    all_reduce(min_vec, dist.ReduceOp.MIN)
+    all_reduce(max_vec, dist.ReduceOp.MAX)
+    seqs, toks, nonfinite, n_mb, skip_seqs, skip_toks = (float(x) for x in sum_vec[:6].tolist())
+    raw = (
+        dict(zip(sums, sum_vec[6:].tolist()))
+        | dict(zip(mins, min_vec.tolist()))
+        | dict(zip(maxs, max_vec.tolist()))
+    )
+    loss_fn = step.loss_fn
+    metrics = finalize_metrics(
+        raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks, skipped=(skip_seqs, skip_toks)
+    )
+    seqs, toks = seqs + skip_seqs, toks + skip_toks
+    metrics.update(
+        global_valid_seqs=seqs, global_valid_toks=toks, num_microbatches=n_mb, inert_seqs_skipped=skip_seqs
+    )
+    return metrics, seqs, toks, nonfinite
 
 
 def merge_step_metrics(results: list[dict[str, float]], kinds: dict[str, MetricKind]) -> dict[str, float]:

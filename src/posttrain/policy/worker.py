@@ -32,7 +32,7 @@ from posttrain.data.microbatch import (
     make_microbatches,
     plan_shared_prefix,
 )
-from posttrain.data.normalization import LossFn, finalize_metrics
+from posttrain.data.normalization import LossFn
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
@@ -57,7 +57,9 @@ from posttrain.policy.train_step import (
     check_loss_head,
     loss_normalizer,
     merge_step_metrics,
+    reduce_step,
     valid_counts,
+    without_inert_rows,
 )
 
 log = get_logger(__name__)
@@ -247,8 +249,8 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self._run_microbatches(step, batch)
 
     def _run_microbatches(self, step: OpenStep, batch: TensorDict) -> None:
-        if not step.eval_mode:
-            batch = self._without_inert_rows(step, batch)
+        if not step.eval_mode and self.cfg.microbatch.skip_inert_rows:
+            batch = without_inert_rows(step, batch)
         # a loss over row pairs (DPO, Bradley-Terry) declares `row_group = 2`: each pair stays in one micro-batch
         mbs = self._matched(self._cut(batch, training=True, row_group=getattr(step.loss_fn, "row_group", 1)))
         was_training = self.model.training
@@ -258,23 +260,6 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
                 self._forward_backward(step, mb.to(self.device))
         finally:
             self._set_training(was_training)
-
-    def _without_inert_rows(self, step: OpenStep, batch: TensorDict) -> TensorDict:
-        """`batch` less the rows its loss declares inert (`inert_rows`: loss and gradient exactly 0), which
-        are counted into the step's normalizer instead (policy.microbatch.skip_inert_rows). When every
-        row is inert one is kept: each rank still makes its model calls, and the optimizer steps on zero
-        gradients as it would have (Adam's moments move), not on none."""
-        find = getattr(step.loss_fn, "inert_rows", None)
-        if find is None or not self.cfg.microbatch.skip_inert_rows:
-            return batch
-        inert = find(batch)
-        if inert is None or not bool(inert.any()):
-            return batch
-        if bool(inert.all()):
-            inert = inert.clone()
-            inert[0] = False
-        step.skip(*valid_counts(batch[inert]))
-        return batch[~inert]
 
     def _forward_backward(self, step: OpenStep, mb: MicroBatch) -> None:
         one = torch.ones((), device=self.device)
@@ -298,34 +283,14 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         """Reduce counts and metrics over ranks, scale gradients by 1/N, clip, step optimizer and scheduler."""
         step = self._step
         assert step is not None
-        sum_vec, min_vec, max_vec, sums, mins, maxs = step.packed_for_reduce()
-        self._all_reduce(sum_vec)
-        self._all_reduce(min_vec, dist.ReduceOp.MIN)
-        self._all_reduce(max_vec, dist.ReduceOp.MAX)
-        seqs, toks, nonfinite, n_mb, skip_seqs, skip_toks = (float(x) for x in sum_vec[:6].tolist())
-        raw = (
-            dict(zip(sums, sum_vec[6:].tolist()))
-            | dict(zip(mins, min_vec.tolist()))
-            | dict(zip(maxs, max_vec.tolist()))
-        )
-        loss_fn = step.loss_fn
-        metrics = finalize_metrics(
-            raw, loss_fn.metric_kinds, loss_fn.loss_type, seqs, toks, skipped=(skip_seqs, skip_toks)
-        )
-        metrics.update(
-            global_valid_seqs=seqs + skip_seqs,
-            global_valid_toks=toks + skip_toks,
-            num_microbatches=n_mb,
-            inert_seqs_skipped=skip_seqs,
-        )
-        seqs, toks = seqs + skip_seqs, toks + skip_toks  # the gradient's normalizer counts every row
+        metrics, seqs, toks, nonfinite = reduce_step(step, self._all_reduce)
         if nonfinite > 0:
             self.abort_train_step()
             raise NonFiniteLossError(
                 f"the loss was not finite on {int(nonfinite)} micro-batch(es); the step was refused and the "
                 "optimizer left untouched. Check the batch (logprobs, advantages) and the learning rate"
             )
-        n = loss_normalizer(loss_fn.loss_type, seqs, toks)
+        n = loss_normalizer(step.loss_fn.loss_type, seqs, toks)
         if step.eval_mode or n == 0:
             self.abort_train_step()
             metrics["step_skipped"] = float(n == 0 and not step.eval_mode)
