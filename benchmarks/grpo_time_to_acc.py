@@ -332,7 +332,8 @@ def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -
     finals = {
         side: statistics.mean(final_accuracy(r, WINDOW) for r in runs) for side, runs in results.items()
     }
-    curves = {side: curve(mean_curve(runs), WINDOW) for side, runs in results.items()}
+    means = {side: mean_curve(runs) for side, runs in results.items()}
+    curves = {side: curve(mean, WINDOW) for side, mean in means.items()}
     peaks = {side: max(acc for _, _, acc in points) for side, points in curves.items()}
     target = min(peaks.values())
     learned = target > acc0 + 1e-9
@@ -348,7 +349,7 @@ def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -
         print(f"{side:9s} seed-mean curve (step:clock s:accuracy): " + " ".join(
             f"{k}:{c:.0f}:{a:.3f}" for k, c, a in points
         ))  # fmt: skip
-    hits = {side: time_to(mean_curve(runs), target, WINDOW) for side, runs in results.items()}
+    hits = {side: time_to(mean, target, WINDOW) for side, mean in means.items()}
     for side, hit in hits.items():
         steps = median([median(r["step_times"][1:]) for r in results[side]])
         where = f"at step {hit[1]}, {hit[0]:.1f} s of training" if hit else "not reached on the mean curve"

@@ -56,6 +56,11 @@ def combine(kind: MetricKind, a: float, b: float) -> float:
     return a + b
 
 
+def loss_normalizer(loss_type: LossType, seqs: float, toks: float) -> float:
+    """The global N the gradients (and the loss's own metrics) are divided by."""
+    return toks if loss_type == LossType.TOKEN_LEVEL else seqs
+
+
 def finalize_metrics(
     raw: dict[str, float],
     kinds: dict[str, MetricKind],
@@ -68,7 +73,7 @@ def finalize_metrics(
     `skipped`: (seqs, toks) of inert rows counted but not run: in the loss's normalizer (so the loss
     metrics equal a run over every row) and in the `num_valid_*` counts, not in the token and sequence
     means of the rows run."""
-    loss_n = toks + skipped[1] if loss_type == LossType.TOKEN_LEVEL else seqs + skipped[0]
+    loss_n = loss_normalizer(loss_type, seqs + skipped[0], toks + skipped[1])
     denom = {"toks": toks, "seqs": seqs, "loss_type": loss_n}
     out = {}
     for name, value in raw.items():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from posttrain.data.normalization import LossFn, LossType, MetricKind, combine, finalize_metrics, identity_of
+from posttrain.data.normalization import LossFn, MetricKind, combine, finalize_metrics, identity_of
 
 
 class NonFiniteLossError(RuntimeError):
@@ -122,9 +122,10 @@ def without_inert_rows(step: OpenStep, batch):
     gradients as it would have (Adam's moments move), not on none."""
     find = getattr(step.loss_fn, "inert_rows", None)
     inert = find(batch) if find is not None else None
-    if inert is None or not bool(inert.any()):
+    count = 0 if inert is None else int(inert.sum())
+    if count == 0:
         return batch
-    if bool(inert.all()):
+    if count == inert.shape[0]:
         inert = inert.clone()
         inert[0] = False
     step.skip(*valid_counts(batch[inert]))
@@ -184,8 +185,3 @@ def check_loss_head(loss_fn: LossFn, head: str) -> None:
             f"loss {type(loss_fn).__name__} reads the outputs of a model with model.head={wants}, but this "
             f"policy's model has model.head={head}; set policy.model.head={wants} or use a {head} loss"
         )
-
-
-def loss_normalizer(loss_type: LossType, seqs: float, toks: float) -> float:
-    """The global N the gradients are divided by."""
-    return toks if loss_type == LossType.TOKEN_LEVEL else seqs

@@ -32,7 +32,7 @@ from posttrain.data.microbatch import (
     make_microbatches,
     plan_shared_prefix,
 )
-from posttrain.data.normalization import LossFn
+from posttrain.data.normalization import LossFn, loss_normalizer
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
@@ -55,7 +55,6 @@ from posttrain.policy.train_step import (
     NonFiniteLossError,
     OpenStep,
     check_loss_head,
-    loss_normalizer,
     merge_step_metrics,
     reduce_step,
     valid_counts,
