@@ -467,11 +467,9 @@ def test_packed_weights_follow_every_weight_change(monkeypatch):
     packed only while requests run, so an in-place optimizer step between generate() calls (fused
     AdamW bumps no version counter) is seen; the plain fallback agrees too, and the packed decode
     equals the plain one."""
-    import posttrain.generation.lean_decode as lean_module
     import posttrain.generation.lm_head as lm_head_module
 
     monkeypatch.setattr(lm_head_module, "_PACK_MIN_NUMEL", 0)  # pack even this tiny head
-    monkeypatch.setattr(lean_module, "PACK_MIN_NUMEL", 0)  # and the tiny projections
     prompts = prompts_of([4, 7, 3])
     params = SamplingParams(max_new_tokens=8, seed=4, stop_at_eos=False)
 
@@ -483,7 +481,7 @@ def test_packed_weights_follow_every_weight_change(monkeypatch):
     engine = make_engine(seed=0)
     packed_run = engine.generate(prompts, params)  # packs the seed-0 head and projections
     layers = engine.model.config.num_hidden_layers
-    assert len(engine._head.packs) == 1 + 7 * layers
+    assert len(engine._head.packs) == 1 + 5 * layers  # head; per layer q|k|v, o, gate, up, down
     engine._head.packs.failed = True  # plain matmuls: the same tokens, logprobs within rounding
     engine._head.drop_packed()
     plain_run = engine.generate(prompts, params)
@@ -501,7 +499,7 @@ def test_packed_weights_follow_every_weight_change(monkeypatch):
     shared.share_weights(trainer.state_dict(), version=1)
     shared.submit(prompts[0], params)
     shared.step()  # shared weights are packed while requests run ...
-    assert len(shared._head.packs) == 1 + 7 * layers
+    assert len(shared._head.packs) == 1 + 5 * layers
     list(shared.iter_results())  # ... and dropped when the engine falls idle
     assert len(shared._head.packs) == 0
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=0.05, fused=True)

@@ -11,6 +11,12 @@ The math is the Hugging Face one, operation for operation where it matters for r
 fp32, rotary embedding from the model's own `rotary_emb`, so every rope scaling type is covered);
 grouped-query attention is computed per key/value head without repeating keys. Greedy decoding
 equals `transformers.generate` token for token (tests/test_generation.py).
+
+On CPU with fp32 weights (and no LoRA) a layer runs fused: q/k/v as one oneDNN-packed projection, the
+rotary embedding of q and k in one pass, and oneDNN epilogues for the residual adds (into o and down),
+the SiLU (into gate) and the gate-up product (into up): about half the ops of the plain path, which
+matters at decode batch sizes where a step is a few hundred small ops. The epilogues' SiLU is oneDNN's,
+within rounding of torch's (greedy decoding still equals `generate`; tests/test_generation.py).
 """
 
 from __future__ import annotations
@@ -58,6 +64,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` with its first half negated: `x.roll(half, -1) * _signed_sin(sin)` is HF's
+    `rotate_half(x) * sin` bit for bit (a sign moved between the factors of a product), in two ops."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _fusable(layer_modules: tuple) -> bool:
+    """A layer the fused path runs: no LoRA wrappers, and q/k/v with all or none of their biases."""
+    norm1, q, k, v, o, norm2, gate, up, down = layer_modules
+    if any(hasattr(m, "base_layer") for m in (q, k, v, o, gate, up, down)):
+        return False
+    return len({q.bias is None, k.bias is None, v.bias is None}) == 1
+
+
 class LeanDecoder:
     """Decode-step forward for a supported model body; build with `LeanDecoder.for_model` (None when the
     model is not one it reproduces exactly)."""
@@ -84,6 +105,7 @@ class LeanDecoder:
             for layer in body.layers
         ]
         self.scaling = [layer.self_attn.scaling for layer in body.layers]
+        self.fusable = packs is not None and all(_fusable(mods) for mods in self.layers)
 
     @classmethod
     def for_model(
@@ -122,6 +144,12 @@ class LeanDecoder:
         cos, sin = body.rotary_emb(h[:, None], positions[:, None])  # [n, 1, head_dim]
         rows = torch.arange(n, device=ids.device)
         length, group = mask.shape[-1], self.heads // self.kv_heads
+        fused = self._fused_weights() if self.fusable else None
+        if fused is not None:
+            sin = _signed_sin(sin)
+            for i, weights in enumerate(fused):
+                h = self._fused_layer(i, weights, h, cos, sin, rows, positions, mask, cache)
+            return _rms_norm(h, body.norm)
         for i, (norm1, q_proj, k_proj, v_proj, o_proj, norm2, gate_proj, up_proj, down_proj) in enumerate(
             self.layers
         ):
@@ -140,3 +168,39 @@ class LeanDecoder:
             up = _linear(x, up_proj, packs)
             h = h + _linear(F.silu(gate) * up, down_proj, packs)
         return _rms_norm(h, body.norm)
+
+    def _fused_weights(self) -> list[tuple] | None:
+        """Per layer the packed (q|k|v, o, gate, up, down) weights and their biases, or None where the
+        weights cannot be packed (not fp32 on CPU, no oneDNN): then the plain path runs."""
+        packs, out = self.packs, []
+        for _, q, k, v, o, _, gate, up, down in self.layers:
+            qkv = packs.get((q.weight, k.weight, v.weight), 0)
+            if qkv is None:
+                return None
+            qkv_bias = None if q.bias is None else packs.joined((q.bias, k.bias, v.bias))
+            rest = [(packs.get(m.weight, 0), m.bias) for m in (o, gate, up, down)]
+            if any(w is None for w, _ in rest):
+                return None
+            out.append(((qkv, qkv_bias), *rest))
+        return out
+
+    def _fused_layer(self, i: int, weights: tuple, h, cos, sin, rows, positions, mask, cache):
+        """One layer on packed weights with oneDNN's fused epilogues: q/k/v in one matmul, rotary on q
+        and k together, the residual adds fused into o and down, SiLU into gate and the product into
+        up. `sin` is `_signed_sin`'s. About half the ops of the plain path per layer."""
+        (qkv_w, qkv_b), (o_w, o_b), (gate_w, gate_b), (up_w, up_b), (down_w, down_b) = weights
+        norm1, norm2 = self.layers[i][0], self.layers[i][5]
+        linear = torch.ops.mkldnn._linear_pointwise
+        n, heads, kv_heads, head_dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = linear(_rms_norm(h, norm1), qkv_w, qkv_b, "none", [], "")
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+        qk = qk * cos + qk.roll(head_dim // 2, -1) * sin
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+        keys, values = cache.write_decode(i, rows, positions, qk[:, heads:], v, mask.shape[-1])
+        qg = qk[:, :heads].view(n, kv_heads, heads // kv_heads, head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling[i]).add_(mask)
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qk.dtype), values)
+        h = linear.binary(out.reshape(n, -1), h, o_w, o_b, "add")
+        x = _rms_norm(h, norm2)
+        act = linear.binary(x, linear(x, gate_w, gate_b, "swish", [], ""), up_w, up_b, "mul")
+        return linear.binary(act, h, down_w, down_b, "add")

@@ -50,30 +50,42 @@ class PackedWeights:
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
-        self._packs: dict[tuple, torch.Tensor] = {}  # (storage pointer, shape) -> packed weight
+        self._packs: dict[tuple, torch.Tensor] = {}  # ((storage pointer, shape), ...) -> packed copy
         self.failed = not torch.backends.mkldnn.is_available()
 
     def __len__(self) -> int:
         return len(self._packs)
 
-    def get(self, weight: torch.Tensor, min_numel: int) -> torch.Tensor | None:
-        """The packed copy of `weight`, or None (fewer than `min_numel` elements, not an fp32 CPU
-        tensor, or a torch build without oneDNN)."""
-        if self.failed or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    def get(self, weight: torch.Tensor | tuple[torch.Tensor, ...], min_numel: int) -> torch.Tensor | None:
+        """The packed copy of `weight` (a tuple: of the weights concatenated along their output rows,
+        e.g. q/k/v as one projection), or None (fewer than `min_numel` elements, not fp32 CPU tensors,
+        or a torch build without oneDNN)."""
+        weights = weight if isinstance(weight, tuple) else (weight,)
+        if self.failed or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
             return None
-        if weight.numel() < min_numel:
+        if sum(w.numel() for w in weights) < min_numel:
             return None
-        key = (weight.data_ptr(), tuple(weight.shape))
+        key = tuple((w.data_ptr(), tuple(w.shape)) for w in weights)
         packed = self._packs.get(key)
         if packed is None:
+            whole = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
             try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.max_rows)
+                packed = torch.ops.mkldnn._reorder_linear_weight(whole, self.max_rows)
             except (AttributeError, RuntimeError) as e:  # no oneDNN in this build
                 log.info("oneDNN-packed weights unavailable (%s); using plain matmuls", e)
                 self.failed = True
                 return None
             self._packs[key] = packed
         return packed
+
+    def joined(self, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The biases of projections packed together, concatenated; kept beside the packs (a load
+        drops them too)."""
+        key = ("bias",) + tuple((b.data_ptr(), tuple(b.shape)) for b in biases)
+        joined = self._packs.get(key)
+        if joined is None:
+            joined = self._packs[key] = torch.cat([b.detach() for b in biases])
+        return joined
 
     def drop(self) -> None:
         """Forget every packed copy (the weights changed in place, moved or were released)."""
