@@ -64,6 +64,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _attend(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, mask) -> torch.Tensor:
+    """Attention of one token per row over the cache: `qg` [n, kv_heads, group, head_dim] against
+    `keys`/`values` [n, kv_heads, L, head_dim], softmax in fp32, additive `mask` [n, 1, 1, L]."""
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scaling).add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype), values)
+
+
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """`sin` with its first half negated: `x.roll(half, -1) * _signed_sin(sin)` is HF's
     `rotate_half(x) * sin` bit for bit (a sign moved between the factors of a product), in two ops."""
@@ -159,9 +166,7 @@ class LeanDecoder:
             v = _linear(x, v_proj, packs).view(n, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.write_decode(i, rows, positions, k, v, length)
-            qg = q.view(n, self.kv_heads, group, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling[i]).add_(mask)
-            out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+            out = _attend(q.view(n, self.kv_heads, group, self.head_dim), keys, values, self.scaling[i], mask)
             h = h + _linear(out.reshape(n, -1), o_proj, packs)
             x = _rms_norm(h, norm2)
             gate = _linear(x, gate_proj, packs)
@@ -192,14 +197,13 @@ class LeanDecoder:
         norm1, norm2 = self.layers[i][0], self.layers[i][5]
         linear = torch.ops.mkldnn._linear_pointwise
         n, heads, kv_heads, head_dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = linear(_rms_norm(h, norm1), qkv_w, qkv_b, "none", [], "")
+        qkv = packed_linear(_rms_norm(h, norm1), qkv_w, qkv_b)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
         qk = qk * cos + qk.roll(head_dim // 2, -1) * sin
         v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
         keys, values = cache.write_decode(i, rows, positions, qk[:, heads:], v, mask.shape[-1])
         qg = qk[:, :heads].view(n, kv_heads, heads // kv_heads, head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling[i]).add_(mask)
-        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qk.dtype), values)
+        out = _attend(qg, keys, values, self.scaling[i], mask)
         h = linear.binary(out.reshape(n, -1), h, o_w, o_b, "add")
         x = _rms_norm(h, norm2)
         act = linear.binary(x, linear(x, gate_w, gate_b, "swish", [], ""), up_w, up_b, "mul")
