@@ -1,7 +1,8 @@
 """Every command of the README runs as written, in README order, in a fresh directory holding a copy of
 configs/ (a command that needs a GPU or the hub is checked as far as this machine can: its config
 validates). Commands that take minutes as written get a few step-limit overrides appended (SHORT); a
-placeholder path is replaced by a model an earlier command made (PLACEHOLDERS). The error example's
+placeholder path is replaced by a model an earlier command made, and a checkpoint path by the step a
+shortened run saved (PLACEHOLDERS). The error example's
 output is checked against what the README shows."""
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ SKIP = {  # command prefix -> why it is not run here (its config is still valida
     "posttrain demo --config configs/grpo_arithmetic_moe.yaml": "run in full by tests/test_moe.py's learning test",
     "posttrain ppo --config configs/ppo_arithmetic.yaml": "run by tests/test_ppo.py's learning test",
 }
-SHORT = {  # command prefix -> overrides appended: as written these take minutes on a CPU
+SHORT = {  # command prefix -> overrides appended: as written these take minutes on a CPU (their learning
+    # is tested by tests/test_demo.py, test_dpo.py, test_lora.py, test_async_run.py; this test is about
+    # the commands running as written)
     "posttrain demo": ["sft.max_num_steps=10", "grpo.grpo.max_num_steps=2", "grpo.grpo.val_period=2"],
+    "posttrain sft --config configs/sft_arithmetic.yaml": ["max_num_steps=20", "val_period=10"],
+    "posttrain grpo --config configs/grpo_arithmetic.yaml": ["grpo.max_num_steps=20"],
+    "posttrain dpo": ["max_num_steps=20", "val_period=10"],
+    "posttrain grpo --config configs/grpo_arithmetic_lora.yaml": ["grpo.max_num_steps=20"],
+    "posttrain grpo-async --config configs/grpo_async_arithmetic.yaml": ["async_grpo.num_steps=10"],
     "posttrain grpo-async env.name=calculator": ["async_grpo.num_steps=2", "grpo.val_period=0"],
     "posttrain rm": ["max_num_steps=20", "val_period=10"],
     "posttrain grpo env.name=custom": [
@@ -44,7 +52,11 @@ SHORT = {  # command prefix -> overrides appended: as written these take minutes
         "env.limits.max_tokens=512",  # the stand-in chat model has 512 positions
     ],
 }
-PLACEHOLDERS = {"/path/to/chat_model": "runs/demo_calculator/sft/hf"}
+PLACEHOLDERS = {  # a placeholder path, or a checkpoint a shortened run (SHORT) saves under another step
+    "/path/to/chat_model": "runs/demo_calculator/sft/hf",
+    "runs/grpo_arithmetic/checkpoints/step_50": "runs/grpo_arithmetic/checkpoints/step_20",
+    "runs/grpo_arithmetic_lora/checkpoints/step_100": "runs/grpo_arithmetic_lora/checkpoints/step_20",
+}
 
 
 def commands() -> list[str]:
