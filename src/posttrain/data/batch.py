@@ -88,12 +88,12 @@ def validate_batch(batch: TensorDict, required: tuple[str, ...] = BASE_KEYS) -> 
         )
 
 
-def valid_counts(batch: TensorDict) -> tuple[float, float]:
-    """(valid sequences, valid tokens) of a batch: Σ sample_mask and Σ token_mask[:, 1:] · sample_mask."""
+def valid_counts(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid sequences, trained tokens) of a batch's rows under the normalization contract, as 0-d
+    tensors on the batch's device (all-reduced without a host sync): Σ sample_mask and
+    Σ token_mask[:, 1:] · sample_mask."""
     sample_mask = batch["sample_mask"].float()
-    seqs = float(sample_mask.sum())
-    toks = float((batch["token_mask"][:, 1:].float() * sample_mask[:, None]).sum())
-    return seqs, toks
+    return sample_mask.sum(), (batch["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
 
 
 def shard_batch(batch: TensorDict, num_shards: int) -> list[TensorDict]:

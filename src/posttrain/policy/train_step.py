@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from posttrain.data.batch import valid_counts
 from posttrain.data.normalization import LossFn, MetricKind, combine, finalize_metrics, identity_of
 
 
@@ -106,13 +107,6 @@ class OpenStep:
             mins,
             maxs,
         )
-
-
-def valid_counts(data) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequences, trained tokens) of a batch's rows under the normalization contract: sample_mask summed,
-    token_mask[:, 1:] x sample_mask summed."""
-    sample_mask = data["sample_mask"].float()
-    return sample_mask.sum(), (data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
 
 
 def without_inert_rows(step: OpenStep, batch):

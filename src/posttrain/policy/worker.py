@@ -24,7 +24,7 @@ from tensordict import TensorDict
 
 from posttrain import checkpoint
 from posttrain.config import dump_config
-from posttrain.data.batch import BASE_KEYS, validate_batch
+from posttrain.data.batch import BASE_KEYS, valid_counts, validate_batch
 from posttrain.data.microbatch import (
     MicroBatch,
     SharedPrefix,
@@ -57,7 +57,6 @@ from posttrain.policy.train_step import (
     check_loss_head,
     merge_step_metrics,
     reduce_step,
-    valid_counts,
     without_inert_rows,
 )
 
