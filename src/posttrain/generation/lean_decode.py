@@ -59,9 +59,9 @@ def _linear(x: torch.Tensor, mod, packs: PackedWeights | None = None) -> torch.T
     return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin`, bit for bit, with `signed_sin = _signed_sin(sin)`."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _attend(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, mask) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 def _fusable(layer_modules: tuple) -> bool:
     """A layer the fused path runs: no LoRA wrappers, and q/k/v with all or none of their biases."""
-    norm1, q, k, v, o, norm2, gate, up, down = layer_modules
+    _, q, k, v, o, _, gate, up, down = layer_modules
     if any(hasattr(m, "base_layer") for m in (q, k, v, o, gate, up, down)):
         return False
     return len({q.bias is None, k.bias is None, v.bias is None}) == 1
@@ -151,9 +151,9 @@ class LeanDecoder:
         cos, sin = body.rotary_emb(h[:, None], positions[:, None])  # [n, 1, head_dim]
         rows = torch.arange(n, device=ids.device)
         length, group = mask.shape[-1], self.heads // self.kv_heads
+        sin = _signed_sin(sin)
         fused = self._fused_weights() if self.fusable else None
         if fused is not None:
-            sin = _signed_sin(sin)
             for i, weights in enumerate(fused):
                 h = self._fused_layer(i, weights, h, cos, sin, rows, positions, mask, cache)
             return _rms_norm(h, body.norm)
@@ -199,7 +199,7 @@ class LeanDecoder:
         n, heads, kv_heads, head_dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = packed_linear(_rms_norm(h, norm1), qkv_w, qkv_b)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
-        qk = qk * cos + qk.roll(head_dim // 2, -1) * sin
+        qk = _rotate(qk, cos, sin)
         v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
         keys, values = cache.write_decode(i, rows, positions, qk[:, heads:], v, mask.shape[-1])
         qg = qk[:, :heads].view(n, kv_heads, heads // kv_heads, head_dim)

@@ -51,6 +51,7 @@ class PackedWeights:
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
         self._packs: dict[tuple, torch.Tensor] = {}  # ((storage pointer, shape), ...) -> packed copy
+        self._joined: dict[tuple, torch.Tensor] = {}  # the same keys of biases -> their concatenation
         self.failed = not torch.backends.mkldnn.is_available()
 
     def __len__(self) -> int:
@@ -81,15 +82,16 @@ class PackedWeights:
     def joined(self, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The biases of projections packed together, concatenated; kept beside the packs (a load
         drops them too)."""
-        key = ("bias",) + tuple((b.data_ptr(), tuple(b.shape)) for b in biases)
-        joined = self._packs.get(key)
+        key = tuple((b.data_ptr(), tuple(b.shape)) for b in biases)
+        joined = self._joined.get(key)
         if joined is None:
-            joined = self._packs[key] = torch.cat([b.detach() for b in biases])
+            joined = self._joined[key] = torch.cat([b.detach() for b in biases])
         return joined
 
     def drop(self) -> None:
         """Forget every packed copy (the weights changed in place, moved or were released)."""
         self._packs.clear()
+        self._joined.clear()
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
