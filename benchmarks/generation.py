@@ -58,13 +58,14 @@ def make_prompts(vocab: int, batch: int = BATCH) -> list[list[int]]:
 
 def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, greedy: bool = False):
     """transformers generate on the left-padded batch, sampling at temperature 1 (or greedy), exactly
-    `new_tokens`."""
+    `new_tokens`, on the model's device."""
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         attn[i, width - len(p) :] = 1
+    ids, attn = ids.to(model.device), attn.to(model.device)
     sampling = (
         {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     )
@@ -74,6 +75,7 @@ def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, gre
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg)
         assert out.shape[1] == width + new_tokens
+        out[0, -1].item()  # wait for the device
         return len(prompts) * new_tokens
 
     return run
@@ -128,11 +130,15 @@ def compare(
     greedy: bool = False,
     batch: int = BATCH,
     new_tokens: int = NEW_TOKENS,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Comparison:
-    """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts."""
+    """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts, both
+    on `device` in `dtype`."""
     shape = shape or SHAPE
-    ours_model = build_tiny_model(vocab, seed=0, **shape).eval()
-    ref_model = build_tiny_model(vocab, seed=0, **shape).eval()  # same weights, untouched by the engine
+    ours_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
+    # same weights, untouched by the engine
+    ref_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
     prompts = make_prompts(vocab, batch)
     ours = engine_runner(ours_model, prompts, new_tokens, greedy)
     ref = hf_runner(ref_model, prompts, new_tokens, greedy)

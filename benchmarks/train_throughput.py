@@ -11,6 +11,7 @@ with each side's model FLOP/s and its fraction of the fp32 matmul peak measured 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +24,10 @@ from _roofline import DecoderShape, gflops, machine, matmul_peak  # noqa: E402
 
 from posttrain.algorithms.losses import NLLLoss  # noqa: E402
 from posttrain.data.batch import make_batch  # noqa: E402
+from posttrain.dtypes import DTYPES  # noqa: E402
 from posttrain.models.hf import build_tiny_model  # noqa: E402
 from posttrain.models.tokenizer import build_char_tokenizer  # noqa: E402
+from posttrain.parallel.mesh import default_device  # noqa: E402
 from posttrain.policy.config import PolicyConfig  # noqa: E402
 from posttrain.policy.policy import Policy  # noqa: E402
 
@@ -46,27 +49,34 @@ def make_data(b: int, t: int, vocab: int):
     return make_batch(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(b))
 
 
-def handwritten_step(model, opt, batch, mbs: int) -> None:
+def handwritten_step(model, opt, batch, mbs: int, dtype: torch.dtype = torch.float32) -> None:
+    """One step; `dtype` other than fp32 runs the forward under autocast to it (fp32 weights)."""
+    device = next(model.parameters()).device
+    cast = torch.autocast(device.type, dtype) if dtype != torch.float32 else contextlib.nullcontext()
     opt.zero_grad(set_to_none=True)
     mask_all = batch["token_mask"][:, 1:]
     n = mask_all.sum()
     for s in range(0, batch.batch_size[0], mbs):
         ids = batch["input_ids"][s : s + mbs]
         mask = mask_all[s : s + mbs]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1].float()
+        with cast:
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, :-1].float()
         lp = torch.gather(logits, -1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
         loss = -(lp * mask).sum() / n
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
     opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def compare_train(
-    shape: dict, vocab: int, b: int, t: int, mbs: int, repeats: int
+    shape: dict, vocab: int, b: int, t: int, mbs: int, repeats: int, precision: str = "float32"
 ) -> tuple[list[float], list[float], int]:
     """Seconds per step of `Policy.train` and of the hand-written loop (interleaved repeats) on a model of
     `shape` with a `vocab`-token vocabulary, global batch b x t in micro-batches of `mbs` rows; and the
-    model FLOPs of one step."""
+    model FLOPs of one step. Both run on the policy's device (a GPU when there is one) in `precision`
+    (fp32 weights, autocast to a lower one)."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(vocab, seed=0, **shape).save_pretrained(tmp)  # ids are random: any tokenizer
@@ -77,18 +87,22 @@ def compare_train(
                 "train_global_batch_size": b,
                 "microbatch": {"train_micro_batch_size": mbs},
                 "optimizer": {"lr": 1e-4},
+                "precision": precision,
                 "init_reference_model": False,
             }
         )
         policy = Policy(cfg)
     batch = make_data(b, t, vocab)
-    model = build_tiny_model(vocab, seed=0, **shape)
+    device = default_device()
+    model = build_tiny_model(vocab, seed=0, **shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     loss_fn = NLLLoss()
+    dtype = DTYPES[precision]
+    on_device = batch.to(device)
     ours, ref = [], []
     for _ in range(repeats):  # interleave to share the machine's noise
         ours += time_repeats(lambda: policy.train(batch, loss_fn), 1)
-        ref += time_repeats(lambda: handwritten_step(model, opt, batch, mbs), 1)
+        ref += time_repeats(lambda: handwritten_step(model, opt, on_device, mbs, dtype), 1)
     policy.shutdown()
     flops = DecoderShape.of(model.config).train_flops(batch["input_lengths"].tolist())
     return ours, ref, flops
