@@ -29,7 +29,8 @@ def _run(
     args: list[str], extra_env: dict[str, str], pythonpath: list[Path] = ()
 ) -> subprocess.CompletedProcess:
     env = os.environ | extra_env
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [*pythonpath, ROOT / "src"])
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in [*pythonpath, ROOT / "src", *inherited])
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )

@@ -209,9 +209,9 @@ def test_export_gives_identical_logits(tmp_path, tied):
 
     worker = policy.group.workers[0]
     exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa")
-    exported.eval()
+    exported.to(worker.device).eval()
     worker.model.eval()
-    ids = BATCHES[0]["input_ids"][:, :12].clamp(min=4)
+    ids = BATCHES[0]["input_ids"][:, :12].clamp(min=4).to(worker.device)
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, worker.model(input_ids=ids).logits)
     assert exported.config.tie_word_embeddings == tied

@@ -115,8 +115,12 @@ def test_dynamic_batching_and_packing_keep_pairs_whole_and_the_step_unchanged(tm
     a = [r for r in read_metrics(tmp_path / "fixed" / "metrics.jsonl") if "train/loss" in r]
     b = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/loss" in r]
     for ra, rb in zip(a, b, strict=True):
-        for k in ("train/loss", "train/accuracy", "train/reward_margin", "train/grad_norm"):
+        for k in ("train/loss", "train/reward_margin", "train/grad_norm"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), k
+        # accuracy counts margins > 0: while the policy still equals the reference (step 1) every margin
+        # is 0 up to rounding, which on a GPU differs with the micro-batch shapes
+        if abs(ra["train/reward_margin"]) > 1e-4:
+            assert rb["train/accuracy"] == pytest.approx(ra["train/accuracy"], abs=1e-6)
     assert got["val_loss"] == pytest.approx(fixed["val_loss"], rel=1e-5)
 
 

@@ -51,10 +51,16 @@ STEPS = [20, 14, 20, 9, 17, 20]  # unequal: slots free at different steps and th
 def build(family: str, seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from posttrain.models.families import attn_implementation
+
     config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        # eager for Gemma2's attention soft-capping: transformers 5.17 runs it under SDPA without the
+        # capping (the reference would be off by 0.1 in logprob), 5.24 refuses SDPA for it
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation(config)
+        ).eval()
 
 
 def make_engine(family: str, **cfg) -> GenerationEngine:

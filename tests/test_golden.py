@@ -143,6 +143,11 @@ def test_async_dry_run_is_unchanged(golden):
     assert async_dry_run() == golden["async_dry_run"]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the golden trajectories are CPU runs (on a GPU the trainer is offloaded during generation and "
+    "the engine copies rather than shares the weights, so the metrics differ in kind)",
+)
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_run_is_bit_identical_to_the_golden_trajectory(name, golden, tmp_path):
     exact = golden["platform"] == platform()

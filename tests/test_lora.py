@@ -300,7 +300,8 @@ def length_reward(tmp_path) -> str:
 
 def assert_only_adapters_moved(before: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
     for name, t in params(model).items():
-        assert torch.equal(t, before[name]) != is_adapter_key(name), name
+        # (on a GPU the run ends with the trainer offloaded to the host)
+        assert torch.equal(t.cpu(), before[name].cpu()) != is_adapter_key(name), name
 
 
 def test_sft_trains_the_adapters_and_saves_the_merged_model(tmp_path):

@@ -166,8 +166,8 @@ def test_replay_makes_the_trainer_route_as_the_engine_did(tmp_path, engine_kind)
     for r in results:
         seq = r.prompt_token_ids + r.token_ids
         with torch.no_grad(), moe.record_routing(model) as calls:
-            model(input_ids=torch.tensor([seq[:-1]]))
-        same = (calls[0].sort(-1).values == r.routing.sort(-1).values).all(-1)
+            model(input_ids=torch.tensor([seq[:-1]], device=model.device))
+        same = (calls[0].cpu().sort(-1).values == r.routing.sort(-1).values).all(-1)
         differ, total = differ + int((~same).sum()), total + same.numel()
     policy.shutdown()
     replay_lp, stats = trainer_view(path, results, "rollout")
@@ -311,7 +311,7 @@ def direct_router_losses(model, batch) -> tuple[float, float]:
     for i in range(batch["input_ids"].shape[0]):
         n = int(batch["input_lengths"][i])
         with torch.no_grad(), moe.capture_router_outputs(model) as layers:
-            model(input_ids=batch["input_ids"][i : i + 1, :n])
+            model(input_ids=batch["input_ids"][i : i + 1, :n].to(model.device))
         aux = z = 0.0
         for logits, ids in layers:
             probs = torch.softmax(logits.float(), -1)

@@ -80,9 +80,16 @@ def test_in_process_copy_sync_after_training():
     assert {r.weight_version for r in after} == {2}
 
 
+def share_engine(policy) -> GenerationEngine:
+    """An engine on the trainer's device (a GPU when there is one): sharing needs the same device."""
+    return GenerationEngine(
+        *build_engine_parts(), GenerationConfig(device=str(policy.group.workers[0].device))
+    )
+
+
 def test_in_process_share_sync_follows_the_trainer():
     policy = Policy(policy_cfg())
-    engine = GenerationEngine(*build_engine_parts())
+    engine = share_engine(policy)
     sync = WeightSync(WeightSyncConfig(), VOCAB)
     metrics = sync.sync_local(policy, engine, 0, share=True)
     assert metrics["bytes"] == 0.0 and metrics["probe_max_abs_diff"] < 1e-5
@@ -107,7 +114,7 @@ def test_in_process_share_sync_follows_the_trainer():
 
 def test_share_sync_probes_again_when_a_tensor_is_re_pointed():
     policy = Policy(policy_cfg())
-    engine = GenerationEngine(*build_engine_parts())
+    engine = share_engine(policy)
     sync = WeightSync(WeightSyncConfig(), VOCAB)
     first = sync.sync_local(policy, engine, 0, share=True)
     assert "probe_skipped" not in first and first["probe_max_abs_diff"] < 1e-5

@@ -30,7 +30,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from posttrain.parallel.mesh import groups_along
+from posttrain.parallel.mesh import group_backend, groups_along
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
@@ -80,7 +80,7 @@ def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> DeviceMesh:
     dp = dp_mesh.size()
     if ep == dp:
         return dp_mesh
-    backend = "nccl" if dp_mesh.device_type == "cuda" else "gloo"
+    backend = group_backend(dp_mesh.device_type)
     world = dist.get_world_size()
     ranks = torch.arange(world).view(dp // ep, ep, world // dp)
     groups = [groups_along(ranks, d, backend, name) for d, name in enumerate(("ep_replicate", "ep"))]

@@ -61,19 +61,27 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def group_backend(device_type: str) -> str:
+    """The backend of the process groups on `device_type`: gloo on CPU; on a GPU, NCCL for CUDA tensors
+    and gloo beside it for CPU ones (FSDP's CPU offload reduces gradient norms over host tensors)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def init_distributed(
     rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 600
 ) -> None:
-    """Join the default process group (gloo on CPU, NCCL on GPU) unless already joined."""
+    """Join the default process group (gloo on CPU, NCCL and gloo on GPU) unless already joined."""
     if dist.is_initialized():
         return
     os.environ.update(
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(default_device())
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        group_backend(device.type), rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def ensure_single_process_group() -> None:
@@ -88,7 +96,7 @@ def build_dp_mesh(device: torch.device) -> DeviceMesh:
     parallel/comms.py can then destroy and recreate the mesh's communicators while the default group
     stays up as the rendezvous (destroying the default group would destroy every group).
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = group_backend(device.type)
     group = dist.new_group(list(range(dist.get_world_size())), backend=backend, group_desc="dp")
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
@@ -126,7 +134,7 @@ def build_mesh(device: torch.device, tp: int = 1, cp: int = 1) -> Meshes:
     order). ParallelDims.build_mesh is the usual way in."""
     if tp == 1 and cp == 1:
         return Meshes(fsdp=build_dp_mesh(device))
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = group_backend(device.type)
     world = dist.get_world_size()
     ranks = torch.arange(world).view(world // (cp * tp), cp, tp)
     groups = [groups_along(ranks, d, backend, name) for d, name in enumerate(("dp", "cp", "tp"))]
