@@ -128,7 +128,7 @@ def test_share_sync_probes_again_when_a_tensor_is_re_pointed():
     assert "probe_skipped" not in sync.sync_local(policy, engine, 0)
     assert "probe_skipped" not in sync.sync_local(policy, engine, 0, share=True)
     # another engine is not verified by this one's probe
-    other = GenerationEngine(*build_engine_parts())
+    other = share_engine(policy)
     assert "probe_skipped" not in sync.sync_local(policy, other, 0, share=True)
     # a bf16-autocast trainer sharing its fp32 weights with an fp32 engine computes differently: the
     # probe keeps measuring that gap on every sync
