@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -153,3 +154,11 @@ def test_watchdog_ends_a_parent_blocked_while_its_child_dies():
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the receiver process exited (exit code 7)" in proc.stderr, proc.stderr
     assert "not reached" not in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_benchmark_without_cuda_says_so_before_running_anything():
+    proc = _run(["benchmarks/gpu.py", "--quick"], {})
+    assert proc.returncode != 0
+    assert "needs CUDA" in proc.stderr and "--device cpu" in proc.stderr, proc.stderr
+    assert "device:" not in proc.stdout
