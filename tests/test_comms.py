@@ -377,6 +377,31 @@ def test_single_rank_without_fsdp_has_nothing_to_tear_down():
         policy.shutdown()
 
 
+def test_teardown_after_the_process_group_was_destroyed_and_made_again(monkeypatch):
+    """An FSDP policy, the process group destroyed, then a new FSDP LoRA policy in the same process:
+    torch's sharding-propagation cache hands the new model specs whose mesh holds the destroyed groups.
+    Teardown skips those (nothing is left of them) and the new policy's own groups cycle and train."""
+    from posttrain.policy.worker import PolicyWorker
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    batch = random_batch(8, 16, rl=True)
+    try:
+        first = PolicyWorker(
+            policy_cfg(model={"tiny": {"tie_word_embeddings": True}}, parallel={"fsdp": "always"})
+        )
+        first.train(batch, ClippedPGLoss())
+        torch.distributed.destroy_process_group()
+        lora = {"rank": 4, "alpha": 8}
+        worker = PolicyWorker(policy_cfg(lora=lora, parallel={"fsdp": "always"}))
+        assert worker.teardown_comms()["groups_destroyed"] == 1  # its own dp group, not the dead ones
+        assert worker.rebuild_comms()["groups_created"] == 1
+        assert math.isfinite(worker.train(batch, ClippedPGLoss())["loss"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.distributed
 def test_policy_verbs_on_two_ray_ranks(ray_session):
     from posttrain.policy.policy import Policy

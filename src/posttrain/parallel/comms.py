@@ -138,7 +138,12 @@ class CommsSnapshot:
 
 def _is_device_group(pg: dist.ProcessGroup, device_type: str) -> bool:
     """On CPU every group is a device group; on an accelerator, groups without a non-gloo backend for
-    it are host-side."""
+    it are host-side. A group already destroyed is none: torch's sharding-propagation cache can hand a
+    new model DTensor specs whose mesh holds the groups of a process group destroyed before it (seen
+    after `destroy_process_group` and a new FSDP model in the same process), and there is nothing left
+    of those to tear down."""
+    if pg not in dist.distributed_c10d._world.pg_group_ranks:
+        return False
     if device_type == "cpu":
         return True
     try:
