@@ -21,6 +21,7 @@ from helpers import policy_cfg
 from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.parallel import comms
 from posttrain.parallel.mesh import free_port
+from posttrain.parallel.processes import rank_context
 from posttrain.policy.lifecycle import PhaseError
 
 WORLD = 2
@@ -35,9 +36,11 @@ RSS_TOLERANCE = 16 * 2**20
 
 
 def run_ranks(fn, tmp_path: Path, *args, world: int = WORLD, timeout_s: float = 240) -> list[dict]:
-    """Run `fn(rank, world, port, out_dir, *args)` on `world` spawned ranks; returns what each saved."""
+    """Run `fn(rank, world, port, out_dir, *args)` on `world` ranks (started as `run_ranks` starts them:
+    from the fork server where there is one); returns what each saved."""
+    method = rank_context().get_start_method()
     ctx = tmp.start_processes(
-        fn, args=(world, free_port(), str(tmp_path), *args), nprocs=world, join=False, start_method="spawn"
+        fn, args=(world, free_port(), str(tmp_path), *args), nprocs=world, join=False, start_method=method
     )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):

@@ -41,10 +41,12 @@ PRELOAD = ["torch", "transformers", "posttrain.policy.worker"]
 
 
 def rank_context():
-    """Where ranks start: forked from a fork server that has imported PRELOAD and touched nothing else
-    (no CUDA, no threads), else spawned. Like spawn, a rank sees none of the parent's later in-memory
-    changes; unlike spawn, it sees the environment of when the server started, not of now."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """Where ranks start: on a machine without CUDA, forked from a fork server that has imported PRELOAD
+    and touched nothing else (no threads); else spawned (a CUDA check while importing PRELOAD could
+    initialise the driver in the server, and a forked rank could then not use the GPU). Like spawn, a
+    rank sees none of the parent's later in-memory changes; unlike spawn, it sees the environment of
+    when the server started, not of now."""
+    if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
