@@ -100,8 +100,14 @@ def compare_train(
     dtype = DTYPES[precision]
     on_device = batch.to(device)
     ours, ref = [], []
+
+    def ours_step() -> None:
+        policy.train(batch, loss_fn)
+        if device.type == "cuda":  # the optimizer step is still queued when train() returns
+            torch.cuda.synchronize(device)
+
     for _ in range(repeats):  # interleave to share the machine's noise
-        ours += time_repeats(lambda: policy.train(batch, loss_fn), 1)
+        ours += time_repeats(ours_step, 1)
         ref += time_repeats(lambda: handwritten_step(model, opt, on_device, mbs, dtype), 1)
     policy.shutdown()
     flops = DecoderShape.of(model.config).train_flops(batch["input_lengths"].tolist())

@@ -394,12 +394,21 @@ def test_teardown_after_the_process_group_was_destroyed_and_made_again(monkeypat
             policy_cfg(model={"tiny": {"tie_word_embeddings": True}}, parallel={"fsdp": "always"})
         )
         first.train(batch, ClippedPGLoss())
+        # a model of other shapes on a second dp group, named "2" (the next process group's one dp group
+        # takes name "1" again): a later model of these shapes gets specs whose mesh names "2"
+        narrow = {"tiny": {"hidden_size": 32, "intermediate_size": 64}}
+        PolicyWorker(policy_cfg(model=narrow, parallel={"fsdp": "always"})).train(batch, ClippedPGLoss())
         torch.distributed.destroy_process_group()
         lora = {"rank": 4, "alpha": 8}
-        worker = PolicyWorker(policy_cfg(lora=lora, parallel={"fsdp": "always"}))
-        assert worker.teardown_comms()["groups_destroyed"] == 1  # its own dp group, not the dead ones
-        assert worker.rebuild_comms()["groups_created"] == 1
-        assert math.isfinite(worker.train(batch, ClippedPGLoss())["loss"])
+        # the narrow model first: its new dp group is "1" and "2" names nothing
+        for cfg in (
+            policy_cfg(model=narrow, parallel={"fsdp": "always"}),
+            policy_cfg(lora=lora, parallel={"fsdp": "always"}),
+        ):
+            worker = PolicyWorker(cfg)
+            assert worker.teardown_comms()["groups_destroyed"] == 1  # its own dp group, not the dead ones
+            assert worker.rebuild_comms()["groups_created"] == 1
+            assert math.isfinite(worker.train(batch, ClippedPGLoss())["loss"])
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from helpers import small_run_policy
 from posttrain.algorithms.dpo import DPORunConfig, run_dpo
@@ -119,7 +120,7 @@ def test_dynamic_batching_and_packing_keep_pairs_whole_and_the_step_unchanged(tm
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), k
         # accuracy counts margins > 0: while the policy still equals the reference (step 1) every margin
         # is 0 up to rounding, which on a GPU differs with the micro-batch shapes
-        if abs(ra["train/reward_margin"]) > 1e-4:
+        if not torch.cuda.is_available() or abs(ra["train/reward_margin"]) > 1e-4:
             assert rb["train/accuracy"] == pytest.approx(ra["train/accuracy"], abs=1e-6)
     assert got["val_loss"] == pytest.approx(fixed["val_loss"], rel=1e-5)
 

@@ -231,7 +231,13 @@ class _Walker:
     def _visit_mesh(self, mesh: DeviceMesh) -> None:
         self.meshes.append(mesh)
         for i, name in enumerate(getattr(mesh, "_dim_group_names", [])):
-            self._hold("name", mesh, i, _resolve_process_group(name))
+            try:
+                pg = _resolve_process_group(name)
+            except (
+                RuntimeError
+            ):  # the name of a group destroyed with its process group (see _is_device_group)
+                continue
+            self._hold("name", mesh, i, pg)
         for name, pg in list(mesh._pg_registry.items()):
             self._hold("registry", mesh, name, pg)
         self.visit(mesh._root_mesh)

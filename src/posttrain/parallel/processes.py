@@ -23,7 +23,9 @@ import torch
 from posttrain.parallel.mesh import free_port
 
 
-def _entry(fn, rank: int, world: int, port: int, results, args) -> None:
+def _entry(fn, rank: int, world: int, port: int, results, args, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's environment now (a fork server's is of when it started)
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per rank where there are GPUs (as torchrun sets it)
     torch.set_num_threads(1)
     try:
@@ -61,7 +63,8 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
     port = free_port()
     old_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, old_path] if p)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, env)) for r in range(world)]
     try:
         for p in procs:
             p.start()
