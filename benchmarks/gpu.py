@@ -71,11 +71,6 @@ SIZES: dict[str, tuple[int, dict]] = {
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def copy_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 10) -> float:
     """Best bytes/s of a device-to-device copy, counting bytes read and written."""
     n = int(gib * 2**30) // 4
@@ -83,7 +78,6 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 10) ->
     dst.copy_(src)
     best = 0.0
     for _ in range(repeats):
-        synchronize(device)
         t0 = _now(device)
         dst.copy_(src)
         best = max(best, 2 * 4 * n / _elapsed(device, t0))
@@ -100,7 +94,6 @@ def gpu_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n
         torch.mm(a, b, out=out)
     best = 0.0
     for _ in range(10):
-        synchronize(device)
         t0 = _now(device)
         torch.mm(a, b, out=out)
         best = max(best, 2 * n**3 / _elapsed(device, t0) / 1e9)
@@ -144,11 +137,10 @@ def generation(size: str, device: torch.device, quick: bool, bandwidth: float) -
     batch, new_tokens, repeats = (16, 32, 2) if quick else (64, 128, 3)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {"batch": batch, "new_tokens": new_tokens}
+    lengths = [len(p) for p in make_prompts(vocab, batch)]  # the prompts `compare` decodes
+    moved = decode_bytes(DecoderShape.of(tiny_config(vocab, **shp)), lengths, new_tokens, dtype.itemsize)
     for mode in ("sampling", "greedy"):
         c = compare(vocab, repeats, shp, mode == "greedy", batch, new_tokens, str(device), dtype)
-        s = DecoderShape.of(tiny_config(vocab, **shp))
-        lengths = [len(p) for p in make_prompts(vocab, batch)]
-        moved = decode_bytes(s, lengths, new_tokens, torch.finfo(dtype).bits // 8)
         out[mode] = {
             "engine_tok_s": c.ours_tps,
             "hf_tok_s": c.ref_tps,

@@ -66,8 +66,6 @@ def handwritten_step(model, opt, batch, mbs: int, dtype: torch.dtype = torch.flo
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
     opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def compare_train(
@@ -101,14 +99,19 @@ def compare_train(
     on_device = batch.to(device)
     ours, ref = [], []
 
-    def ours_step() -> None:
-        policy.train(batch, loss_fn)
-        if device.type == "cuda":  # the optimizer step is still queued when train() returns
-            torch.cuda.synchronize(device)
+    def synced(fn):
+        """`fn`, then a wait for what it left queued on a GPU (each side's optimizer step)."""
+
+        def run() -> None:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return run
 
     for _ in range(repeats):  # interleave to share the machine's noise
-        ours += time_repeats(ours_step, 1)
-        ref += time_repeats(lambda: handwritten_step(model, opt, on_device, mbs, dtype), 1)
+        ours += time_repeats(synced(lambda: policy.train(batch, loss_fn)), 1)
+        ref += time_repeats(synced(lambda: handwritten_step(model, opt, on_device, mbs, dtype)), 1)
     policy.shutdown()
     flops = DecoderShape.of(model.config).train_flops(batch["input_lengths"].tolist())
     return ours, ref, flops

@@ -231,11 +231,10 @@ class _Walker:
     def _visit_mesh(self, mesh: DeviceMesh) -> None:
         self.meshes.append(mesh)
         for i, name in enumerate(getattr(mesh, "_dim_group_names", [])):
+            # (a name can outlive its group, destroyed with its process group: see _is_device_group)
             try:
                 pg = _resolve_process_group(name)
-            except (
-                RuntimeError
-            ):  # the name of a group destroyed with its process group (see _is_device_group)
+            except RuntimeError:
                 continue
             self._hold("name", mesh, i, pg)
         for name, pg in list(mesh._pg_registry.items()):

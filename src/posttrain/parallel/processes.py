@@ -1,11 +1,12 @@
-"""Run a function on N local ranks in spawned processes, without Ray (tests and benchmarks of the
+"""Run a function on N local ranks in separate processes, without Ray (tests and benchmarks of the
 (dp, cp, tp) mesh on one machine).
 
 `run_ranks(world, fn, *args)` starts `world` processes, each calling `fn(rank, world, port, *args)`
 (a `PolicyWorker(cfg, rank, world, master_port=port)` joins them with torch.distributed); it returns
 the per-rank results in rank order, or raises with the first failing rank's traceback. `fn` must be
-importable by module name; the caller's `sys.path` is passed on. Every wait is bounded (`timeout_s`);
-on a timeout or a dead rank the processes are killed.
+importable by module name (with a fork server: by the `sys.path` of when the server started); the
+caller's environment is passed on. Every wait is bounded (`timeout_s`); on a timeout or a dead rank
+the processes are killed.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ PRELOAD = ["torch", "transformers", "posttrain.policy.worker"]
 def rank_context():
     """Where ranks start: on a machine without CUDA, forked from a fork server that has imported PRELOAD
     and touched nothing else (no threads); else spawned (a CUDA check while importing PRELOAD could
-    initialise the driver in the server, and a forked rank could then not use the GPU). Like spawn, a
-    rank sees none of the parent's later in-memory changes; unlike spawn, it sees the environment of
-    when the server started, not of now."""
+    initialise the driver in the server, and a forked rank could then not use the GPU). Either way a
+    rank sees none of the parent's in-memory changes; `run_ranks` hands it the parent's environment."""
     if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -61,9 +61,9 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
     ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
-    old_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, old_path] if p)
-    env = dict(os.environ)
+    # the caller's environment, with its sys.path as PYTHONPATH (for processes a rank starts itself)
+    path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+    env = {**os.environ, "PYTHONPATH": path}
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, env)) for r in range(world)]
     try:
         for p in procs:
@@ -71,8 +71,6 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 600) -> list:
     except BaseException:
         _stop([p for p in procs if p.pid is not None])
         raise
-    finally:
-        os.environ["PYTHONPATH"] = old_path
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
     try:
