@@ -155,6 +155,7 @@ def test_prompt_cursor_refuses_the_state_of_another_dataset():
         "epoch": 0,
         "position": 0,
         "seed": 3,
+        "run_seed": None,
         "shuffle": True,
         "num_items": 8,
         "fingerprint": None,

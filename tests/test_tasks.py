@@ -396,6 +396,39 @@ def test_dataset_state_dict_resume_gives_the_same_order(tok):
         other.load_state_dict(state)
 
 
+def test_run_seed_orders_the_training_prompts(tok, tmp_path):
+    from helpers import policy_cfg
+    from posttrain.algorithms.runs import start_run
+
+    def ids(ds, n):
+        return [it.prompt_id for it in ds.next_batch(n)]
+
+    def ordered(run_seed):
+        ds = build_task(ArithmeticTaskConfig(seed=5), tok).train
+        ds.order_by_run(run_seed)
+        return ds
+
+    n = len(ordered(0))
+    a, b, plain = ordered(1), ordered(2), build_task(ArithmeticTaskConfig(seed=5), tok).train
+    first = [ids(ds, n) for ds in (a, b, plain)]
+    assert all(sorted(f) == sorted(first[2]) for f in first)  # the same prompts (the task seed's split)
+    assert first[0] != first[1] and first[0] != first[2] and first[1] != first[2]
+    assert ids(ordered(1), n) == first[0]  # a run seed always gives its order
+    assert ids(a, n) != first[0]  # each epoch its own permutation
+    state = a.state_dict()
+    with pytest.raises(ValueError, match="run_seed=1.*run_seed=2.*run seed"):
+        ordered(2).load_state_dict(state)
+    resumed = ordered(1)
+    resumed.load_state_dict(state)
+    assert ids(resumed, 7) == ids(a, 7)
+    with pytest.raises(RuntimeError, match="already served"):
+        a.order_by_run(3)
+    # every loop's start applies its seed (the policy is passed in, so none is built)
+    cfg = policy_cfg()
+    runs = [start_run(str(tmp_path / str(s)), s, cfg, ArithmeticTaskConfig(seed=5), object()) for s in (1, 2)]
+    assert [ids(r.task.train, n) for r in runs] == first[:2]
+
+
 # ---------------------------------------------------------------- math-verify reward
 
 

@@ -56,10 +56,13 @@ def start_run(
     env_cfg: EnvConfig | None = None,
 ) -> RunParts:
     """Output directory, global seed, then policy (unless given), tokenizer and task (the environment
-    `env_cfg` when given), in that order."""
+    `env_cfg` when given), in that order. The task's seed fixes its problems and splits; the training
+    prompts' order depends on the run's `seed` too, so runs that differ in seed also differ in data order
+    (as SFT's batches and TRL's or NeMo-RL's data loaders do)."""
     out, policy, own_policy = _open(output_dir, seed, policy_cfg, policy)
     tokenizer = build_tokenizer(policy_cfg.model)
     task = build_env(env_cfg) if env_cfg is not None else build_task(task_cfg, tokenizer)
+    task.train.order_by_run(seed)
     return RunParts(out, policy, tokenizer, task, own_policy)
 
 

@@ -347,9 +347,13 @@ def build_splits(
     return train, build_prompt_dataset(eval_src, tokenizer, fmt, seed=seed, shuffle=False, name="eval")
 
 
+_RUN_TAG = 0x52554E  # marks a permutation key that holds a run seed
+
+
 class PromptCursor:
     """A resumable position in a dataset of `size` prompts, the one both loops use: epoch and position in
-    that epoch's seeded permutation (numpy's generator seeded with [seed, epoch]).
+    that epoch's seeded permutation (numpy's generator seeded with [seed, epoch], or with [seed, epoch,
+    run_seed, _RUN_TAG] when a run's seed also orders the prompts; the tag keeps the two forms apart).
 
     `next()` gives one index (None once `num_epochs` passes are done; None = never), `next_indices(n)`
     the next n, crossing into the next epoch's permutation when one runs out. `state_dict()` holds the
@@ -366,8 +370,10 @@ class PromptCursor:
         num_epochs: int | None = None,
         fingerprint: str | None = None,
         name: str = "train",
+        run_seed: int | None = None,
     ) -> None:
         self.size, self.seed, self.shuffle, self.num_epochs = size, seed, shuffle, num_epochs
+        self.run_seed = run_seed
         self.fingerprint, self.name = fingerprint, name
         self.epoch = 0
         self.position = 0
@@ -380,7 +386,10 @@ class PromptCursor:
 
     def _epoch_order(self) -> list[int]:
         if self._order_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
+            key = [self.seed, self.epoch]
+            if self.run_seed is not None:
+                key += [self.run_seed % (1 << 64), _RUN_TAG]
+            rng = np.random.default_rng(key)
             self._order = rng.permutation(self.size).tolist() if self.shuffle else list(range(self.size))
             self._order_epoch = self.epoch
         return self._order
@@ -415,6 +424,7 @@ class PromptCursor:
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
+            "run_seed": self.run_seed,
             "shuffle": self.shuffle,
             "num_items": self.size,
             "fingerprint": self.fingerprint,
@@ -422,13 +432,20 @@ class PromptCursor:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
-        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_items": self.size}
+        expected = {
+            "seed": self.seed,
+            "run_seed": self.run_seed,
+            "shuffle": self.shuffle,
+            "num_items": self.size,
+        }
         expected["fingerprint"] = self.fingerprint
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(
                     f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
-                    f"this dataset has {key}={value!r}; resume with the same dataset and task config"
+                    f"this dataset has {key}={value!r}; resume with the same dataset, task config and run "
+                    "seed (a checkpoint without run_seed predates run-seeded prompt order: resume it with "
+                    "the posttrain version that wrote it)"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < max(self.size, 1):
@@ -463,6 +480,7 @@ class PromptDataset:
         self.num_dropped = num_dropped
         self.name = name
         self._fingerprint: str | None = None
+        self.run_seed: int | None = None
         self.cursor = self.new_cursor()
 
     def new_cursor(self, num_epochs: int | None = None) -> PromptCursor:
@@ -474,7 +492,17 @@ class PromptDataset:
             num_epochs=num_epochs,
             fingerprint=self.fingerprint(),
             name=self.name,
+            run_seed=self.run_seed,
         )
+
+    def order_by_run(self, run_seed: int) -> None:
+        """Serve the prompts in an order that also depends on the run's seed (runs of one task with
+        different seeds see the same prompts in different orders, as their sampling differs too); only
+        before the first batch."""
+        if self.cursor.epoch or self.cursor.position:
+            raise RuntimeError(f"the {self.name} prompts were already served; set the run's order first")
+        self.run_seed = int(run_seed)
+        self.cursor = self.new_cursor()
 
     @property
     def epoch(self) -> int:

@@ -20,7 +20,11 @@ from posttrain.tasks.rewards import RewardConfig, RewardScorer, load_reward_fn
 class TaskConfigBase(Config):
     """Fields shared by every task config."""
 
-    seed: int = Field(0, description="Seed for problem generation, train/eval splits and the prompt order.")
+    seed: int = Field(
+        0,
+        description="Seed for problem generation and the train/eval splits; the training prompts' order "
+        "comes from it and the run's seed (grpo.seed / seed).",
+    )
     prompt_format: PromptFormatConfig = Field(default_factory=PromptFormatConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     reward_fn: str | None = Field(
