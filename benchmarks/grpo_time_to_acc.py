@@ -64,6 +64,9 @@ from _stats import HeldoutScorer, curve, final_accuracy, summary, t_interval, ti
 SIZE = "20m"
 TUNE_SEEDS = (1000, 1001, 1002)  # validation seeds of the lr choice
 WINDOW = 2  # evaluations averaged into one point of a curve
+# part of a kept pair's key: raise it when a change alters either side's run for the same setting, so
+# pairs kept in a workdir from before are run again (2: posttrain's prompt order follows the run seed)
+PAIR_REVISION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +257,7 @@ def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str
             "setting": dataclasses.asdict(dataclasses.replace(s, seeds=())),
             "lrs": lrs,
             "heldout": heldout,
+            "revision": PAIR_REVISION,
         }
         path = root / f"pair_{heldout}_seed{seed}.json"
         kept = json.loads(path.read_text()) if path.exists() else None
