@@ -437,8 +437,8 @@ class PromptCursor:
             "run_seed": self.run_seed,
             "shuffle": self.shuffle,
             "num_items": self.size,
+            "fingerprint": self.fingerprint,
         }
-        expected["fingerprint"] = self.fingerprint
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(
