@@ -31,6 +31,13 @@ after its step's clock stopped and before the other side's turn; the copies are 
 one evaluator for both sides (posttrain's engine, greedy, `rollout.validation.validate`), step 0 being
 the warm start.
 
+Kept pairs: every scored pair is written to the workdir and to the ledger `benchmarks/tta_pairs/`
+(committed, a few kB per pair) under a key of the setting, the lrs, the split, PAIR_REVISION, the thread
+count and a SHA-256 of the warm start's weights. A later run, in any session or workdir, reuses a pair
+whose key matches and runs the others, so the grid and the test seeds can be filled in over several
+sittings; a warm start that comes out different (another CPU's kernels, a change to SFT) matches
+nothing and every pair runs again.
+
 Time to accuracy: on the seed-mean curves (accuracy and clock averaged over seeds at each evaluated
 step, smoothed over two evaluations) the target is the highest accuracy both reach, the lower of the
 two curves' peaks (a run may fall after its peak, so final accuracies are no target: one below the
@@ -46,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -67,6 +76,7 @@ WINDOW = 2  # evaluations averaged into one point of a curve
 # part of a kept pair's key: raise it when a change alters either side's run for the same setting, so
 # pairs kept in a workdir from before are run again (2: posttrain's prompt order follows the run seed)
 PAIR_REVISION = 2
+LEDGER = Path(__file__).parent / "tta_pairs"  # scored pairs kept across sessions (see the docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +175,19 @@ def warm_start(s: Setting, root: Path) -> Path:
     return init
 
 
+def fingerprint(model_dir: Path) -> str:
+    """SHA-256 of the weights saved in `model_dir` (its safetensors files, in name order)."""
+    digest = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}: the warm start was not saved")
+    for path in files:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 # --------------------------------------------------------------------------- weight copies (in the sides)
 
 
@@ -244,26 +267,40 @@ class Evaluator:
 # --------------------------------------------------------------------------- runs
 
 
-def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str, float], threads: int):
+def pairs(
+    s: Setting,
+    init: Path,
+    root: Path,
+    seeds,
+    heldout: str,
+    lrs: dict[str, float],
+    threads: int,
+    ledger: Path | None = None,
+):
     """{side: [result per seed]}: one lockstep pair per seed, each side's copies scored on `heldout`.
-    Each scored pair is kept in `root` (pair_<heldout>_seed<seed>.json, with its setting) and reused by a
-    later run of the same setting, so a run that stops loses at most the pair under way."""
+    Each scored pair is written to `root` (pair_<heldout>_seed<seed>.json) and to `ledger` (when given)
+    with its key, and a later run whose key matches reuses it, so a run that stops loses at most the pair
+    under way, and the ledger carries pairs from one session to the next."""
     from vs_trl import SIDES, run_pair
 
     evaluator = None
+    warm = fingerprint(init)
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for i, seed in enumerate(seeds):
-        key = {
+        key = json.loads(json.dumps({
             "setting": dataclasses.asdict(dataclasses.replace(s, seeds=())),
             "lrs": lrs,
             "heldout": heldout,
             "revision": PAIR_REVISION,
-        }
+            "threads": threads,
+            "warm_start": warm,
+        }))  # fmt: skip
         path = root / f"pair_{heldout}_seed{seed}.json"
-        kept = json.loads(path.read_text()) if path.exists() else None
-        if kept is not None and kept["key"] == json.loads(json.dumps(key)):
+        kept_at = ledger / f"pair_{heldout}_seed{seed}_{_digest(key)}.json" if ledger else None
+        kept = next((k for k in (_read_pair(path), _read_pair(kept_at)) if k and k["key"] == key), None)
+        if kept is not None:
             scored_pair = {side: _with_int_steps(kept[side]) for side in SIDES}
-            print(f"  {heldout} seed {seed}: reused {path.name}", flush=True)
+            print(f"  {heldout} seed {seed}: reused the kept pair of {kept.get('date', '?')}", flush=True)
         else:
             t0 = time.perf_counter()
             evaluator = evaluator or Evaluator(s, init, heldout)
@@ -278,12 +315,19 @@ def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str
                     **scored,
                     "seed": seed,
                     "start": evaluator.start,
-                    "step_times": r["step_times"],
-                    "rewards": r["rewards"],
+                    "step_times": [round(t, 4) for t in r["step_times"]],
+                    "rewards": [round(x, 4) for x in r["rewards"]],
                     "completion_lengths": r["completion_lengths"],
                     "phases": r["phases"],
                 }
-            path.write_text(json.dumps({"key": key, **scored_pair}))
+            date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            text = json.dumps({"key": key, "date": date, **scored_pair}, indent=None)
+            for where in (path, kept_at):
+                if where is not None:
+                    where.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = where.with_suffix(".tmp")
+                    tmp.write_text(text)
+                    tmp.replace(where)  # never a half-written pair
             print(f"  (pair took {time.perf_counter() - t0:.0f}s with evaluation)", flush=True)
         for side in SIDES:
             r = scored_pair[side]
@@ -299,6 +343,15 @@ def pairs(s: Setting, init: Path, root: Path, seeds, heldout: str, lrs: dict[str
     return results, results["posttrain"][0]["start"]
 
 
+def _digest(key: dict) -> str:
+    """A short name for a pair's key (the file name in the ledger; the key itself is in the file)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _read_pair(path: Path | None) -> dict | None:
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
 def _with_int_steps(result: dict) -> dict:
     """A result read back from JSON: its per-step dicts keyed by int again."""
     return {
@@ -307,16 +360,15 @@ def _with_int_steps(result: dict) -> dict:
     }
 
 
-def choose_lrs(s: Setting, init: Path, root: Path, threads: int) -> dict[str, float]:
+def choose_lrs(s: Setting, init: Path, root: Path, threads: int, ledger: Path | None) -> dict[str, float]:
     """Each side's lr of the grid with the best validation accuracy (mean over TUNE_SEEDS of its last two
     evaluations)."""
     if len(s.lrs) == 1:
         return {"posttrain": s.lrs[0], "trl": s.lrs[0]}
     scores: dict[str, dict[float, float]] = {"posttrain": {}, "trl": {}}
     for lr in s.lrs:
-        results, _ = pairs(
-            s, init, root / f"tune_{lr:g}", TUNE_SEEDS, "validation", {"posttrain": lr, "trl": lr}, threads
-        )
+        both = {"posttrain": lr, "trl": lr}
+        results, _ = pairs(s, init, root / f"tune_{lr:g}", TUNE_SEEDS, "validation", both, threads, ledger)
         for side, runs in results.items():
             scores[side][lr] = statistics.mean(final_accuracy(r, WINDOW) for r in runs)
     for side, by_lr in scores.items():
@@ -413,9 +465,10 @@ def main() -> None:
         init = warm_start(s, root)
         stages = " then ".join(f"{n} steps at lr {lr:g}" for n, lr in s.sft_stages)
         print(f"warm start: SFT {stages} ({time.perf_counter() - t0:.0f}s)", flush=True)
-        lrs = choose_lrs(s, init, root, args.threads)
+        ledger = None if args.quick else LEDGER  # quick pairs are smoke runs, not results to keep
+        lrs = choose_lrs(s, init, root, args.threads, ledger)
         print(f"chosen on validation: posttrain lr {lrs['posttrain']:g}, trl lr {lrs['trl']:g}", flush=True)
-        results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads)
+        results, acc0 = pairs(s, init, root, s.seeds, "test", lrs, args.threads, ledger)
     print(
         f"setting: {s.size} ({SIZE if not args.quick else s.size}), chain of {s.num_steps} steps, "
         f"{s.prompts_per_step} prompts x {s.generations} completions, {s.steps} steps, eval every "
