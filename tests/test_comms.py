@@ -1,7 +1,7 @@
 """Communicator teardown/rebuild (parallel/comms.py and the worker/Policy verbs).
 
-The multi-rank tests spawn two CPU ranks (gloo) with torch.multiprocessing; each rank runs a
-`PolicyWorker` directly and writes its results to a file the test reads back.
+The multi-rank tests run two CPU ranks (gloo) with `parallel.processes.run_ranks`; each rank runs a
+`PolicyWorker` directly and returns its results.
 """
 
 from __future__ import annotations
@@ -10,18 +10,15 @@ import math
 import os
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from conftest import random_batch
 from helpers import policy_cfg
 from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.parallel import comms
-from posttrain.parallel.mesh import free_port
-from posttrain.parallel.processes import rank_context
+from posttrain.parallel.processes import run_ranks
 from posttrain.policy.lifecycle import PhaseError
 
 WORLD = 2
@@ -33,22 +30,6 @@ RSS_TOLERANCE = 16 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------- harness
-
-
-def run_ranks(fn, tmp_path: Path, *args, world: int = WORLD, timeout_s: float = 240) -> list[dict]:
-    """Run `fn(rank, world, port, out_dir, *args)` on `world` ranks (started as `run_ranks` starts them:
-    from the fork server where there is one); returns what each saved."""
-    method = rank_context().get_start_method()
-    ctx = tmp.start_processes(
-        fn, args=(world, free_port(), str(tmp_path), *args), nprocs=world, join=False, start_method=method
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"ranks did not finish within {timeout_s}s")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def make_worker(rank: int, world: int, port: int, **overrides):
@@ -81,10 +62,6 @@ def proc_usage() -> dict[str, int]:
     }
 
 
-def save(out_dir: str, rank: int, result: dict) -> None:
-    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-
-
 # ---------------------------------------------------------------------------------------------- rank bodies
 
 
@@ -100,23 +77,19 @@ def _train_three_steps(worker, rank, world, cycle: bool) -> tuple[list[dict], li
     return losses, stats
 
 
-def _bitwise_rank(rank, world, port, out_dir):
+def _bitwise_rank(rank, world, port):
     cycled = make_worker(rank, world, port)
     plain = make_worker(rank, world, port)  # a second model on its own DP group in the same ranks
     losses_c, stats = _train_three_steps(cycled, rank, world, cycle=True)
     losses_p, _ = _train_three_steps(plain, rank, world, cycle=False)
-    save(
-        out_dir,
-        rank,
-        dict(
-            losses_c=losses_c,
-            losses_p=losses_p,
-            params_c=local_params(cycled),
-            params_p=local_params(plain),
-            stats=stats,
-            logprobs_c=cycled.get_logprobs(rank_batch(rank, world, 9)),
-            logprobs_p=plain.get_logprobs(rank_batch(rank, world, 9)),
-        ),
+    return dict(
+        losses_c=losses_c,
+        losses_p=losses_p,
+        params_c=local_params(cycled),
+        params_p=local_params(plain),
+        stats=stats,
+        logprobs_c=cycled.get_logprobs(rank_batch(rank, world, 9)),
+        logprobs_p=plain.get_logprobs(rank_batch(rank, world, 9)),
     )
 
 
@@ -126,7 +99,7 @@ def _cycle(worker, probe) -> None:
     worker.get_logprobs(probe)  # the rebuilt group carries FSDP all-gathers, as in a real run
 
 
-def _cycles_rank(rank, world, port, out_dir, cycles):
+def _cycles_rank(rank, world, port, cycles):
     worker = make_worker(rank, world, port)
     worker.train(rank_batch(rank, world, 0), ClippedPGLoss())
     probe = rank_batch(rank, world, 1)[:1]
@@ -139,7 +112,7 @@ def _cycles_rank(rank, world, port, out_dir, cycles):
     per_cycle_s = (time.perf_counter() - start) / cycles
     after = proc_usage()
     metrics = worker.train(rank_batch(rank, world, 1), ClippedPGLoss())
-    save(out_dir, rank, dict(before=before, after=after, per_cycle_s=per_cycle_s, loss=metrics["loss"]))
+    return dict(before=before, after=after, per_cycle_s=per_cycle_s, loss=metrics["loss"])
 
 
 def _guards(rank, world, port):
@@ -250,7 +223,7 @@ def _reference(rank, world, port):
     return {"loss": make_worker(rank, world, port).train(rank_batch(rank, world, 0), ClippedPGLoss())["loss"]}
 
 
-def _scenarios_rank(rank, world, port, out_dir):
+def _scenarios_rank(rank, world, port):
     """The small scenarios, one fresh worker each, in one pair of ranks (spawning costs more than they)."""
     out = {}
     # the reference runs last: an earlier worker's cached mesh changes what "destroy" counts
@@ -265,15 +238,15 @@ def _scenarios_rank(rank, world, port, out_dir):
             out[name] = scenario(rank, world, port)
         except Exception:
             out[name] = {"crashed": traceback.format_exc()}
-    save(out_dir, rank, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- tests
 
 
 @pytest.fixture(scope="module")
-def scenarios(tmp_path_factory):
-    return run_ranks(_scenarios_rank, tmp_path_factory.mktemp("scenarios"))
+def scenarios():
+    return run_ranks(WORLD, _scenarios_rank, timeout_s=240)
 
 
 def _results(scenarios, name: str) -> list[dict]:
@@ -285,8 +258,8 @@ def _results(scenarios, name: str) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_teardown_rebuild_between_steps_is_bit_identical(tmp_path):
-    for r in run_ranks(_bitwise_rank, tmp_path):
+def test_teardown_rebuild_between_steps_is_bit_identical():
+    for r in run_ranks(WORLD, _bitwise_rank, timeout_s=240):
         assert r["losses_c"] == r["losses_p"]  # every metric of every step, exactly
         assert r["params_c"].keys() == r["params_p"].keys()
         for name in r["params_c"]:
@@ -299,8 +272,8 @@ def test_teardown_rebuild_between_steps_is_bit_identical(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fifty_cycles_do_not_leak_fds_threads_or_memory(tmp_path):
-    results = run_ranks(_cycles_rank, tmp_path, 50, timeout_s=400)
+def test_fifty_cycles_do_not_leak_fds_threads_or_memory():
+    results = run_ranks(WORLD, _cycles_rank, 50, timeout_s=400)
     for rank, r in enumerate(results):
         b, a = r["before"], r["after"]
         print(
@@ -436,7 +409,7 @@ def test_policy_verbs_on_two_ray_ranks(ray_session):
 # ---------------------------------------------------------------------------------------------- GPU tier
 
 
-def _gpu_rank(rank, world, port, out_dir):
+def _gpu_rank(rank, world, port):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic kernels, so "identical" means it
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.enable_flash_sdp(False)
@@ -453,15 +426,15 @@ def _gpu_rank(rank, world, port, out_dir):
     losses_p, _ = _train_three_steps(plain, rank, world, cycle=False)
     params_c, params_p = local_params(cycled), local_params(plain)
     same = all(torch.equal(params_c[n], params_p[n]) for n in params_c)
-    save(out_dir, rank, dict(down=down, up=up, same_losses=losses_c == losses_p, same_params=same))
+    return dict(down=down, up=up, same_losses=losses_c == losses_p, same_params=same)
 
 
 @pytest.mark.gpu
 @pytest.mark.distributed
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_teardown_frees_nccl_memory_and_training_is_identical(tmp_path):
+def test_gpu_teardown_frees_nccl_memory_and_training_is_identical():
     world = min(torch.cuda.device_count(), 2)  # NCCL needs one GPU per rank
-    for rank, r in enumerate(run_ranks(_gpu_rank, tmp_path, world=world)):
+    for rank, r in enumerate(run_ranks(world, _gpu_rank, timeout_s=240)):
         freed = r["down"]["device_freed_bytes"]
         print(f"rank {rank}: teardown freed {freed} bytes of device memory ({r['down']})")
         assert r["down"]["groups_destroyed"] == 1 and freed > 0
