@@ -9,8 +9,8 @@ x 8 completions per step, at most 4 new tokens (answers are 1-2 digits and EOS),
 constant lr 5e-4 (Adam), grad-norm clip 1.0, one optimizer step per step, 400 steps, so the same
 102,400 trained samples. The lr was chosen on pilot runs of both modes alike (seed 0): at 1e-3
 held-out accuracy peaked by step ~60-130 and fell back in both; at 5e-4 both kept rising to step
-400. Both draw the training prompts in the same order (the task's seeded cursor); the seed sets the
-sampling and torch seeds of both. The engine decodes a whole step's 256 sequences
+400. Both draw the training prompts in the same order (ordered by the task seed and the run seed); the
+seed sets that order and the sampling and torch seeds of both. The engine decodes a whole step's 256 sequences
 at once in both modes (generation.max_num_seqs 256); the asynchronous controller sends a step's 32
 groups per call and keeps a second call queued at the actor (max_groups_per_call 32,
 max_in_flight_per_worker 64), the pipelining of benchmarks/async_vs_sync.py.

@@ -1,4 +1,4 @@
-"""GRPO time to held-out accuracy, posttrain vs TRL, at 20M parameters with 128-token completions.
+"""GRPO time to held-out accuracy, posttrain vs TRL, at 20M parameters with 136-token completions.
 
     python benchmarks/grpo_time_to_acc.py [--quick] [--seeds N] [--workdir DIR]   # needs .[bench]
 

@@ -75,6 +75,25 @@ def test_readme_parallel_example_validates():
     assert cfg.policy.dp_size == 4
 
 
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("grpo.num_prompts_per_step=4", "async_grpo.target_prompt_groups_per_step instead"),
+        ("grpo.max_num_steps=3", "async_grpo.num_steps instead"),
+        ("async_grpo.seed=7", "set grpo.seed (or task.seed) instead"),
+        ("async_grpo.shuffle=false", "always shuffled"),
+    ],
+)
+def test_async_run_refuses_keys_it_would_ignore(override, names):
+    """A grpo-async run refuses a key its loop does not read (the step size and count of grpo, the
+    controller's own prompt order), naming what to set instead, rather than running without it."""
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"{key}\b.*not used") as err:
+        load_config(AsyncGRPORunConfig, None, [override])
+    assert names in str(err.value)
+    load_config(AsyncGRPORunConfig, None, ["grpo.seed=7"])  # where the order's seed goes
+
+
 @pytest.mark.parametrize("name", ["demo_calculator", "demo_guess", "demo_code"])
 def test_environment_demo_configs_run_end_to_end(tmp_path, name):
     """The environment demos of the README, shortened: SFT on demonstrations, then GRPO episodes."""

@@ -1,4 +1,5 @@
-"""Command line: posttrain demo | grpo | grpo-async | sft | dpo | rm | export | generate | config show.
+"""Command line: posttrain demo | sft | grpo | grpo-async | dpo | rm | ppo | distill | export | generate |
+config show.
 
 Training commands take `--config FILE.yaml` and dotted overrides (`policy.optimizer.lr=1e-4`);
 `posttrain config show COMMAND [PREFIX]` lists the keys they accept. A user's

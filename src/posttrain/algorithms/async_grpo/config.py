@@ -30,8 +30,16 @@ class AsyncGRPOConfig(Config):
 
     num_steps: int | None = Field(None, ge=1, description="stop after this many steps (None: at data end)")
     num_epochs: int | None = Field(1, ge=1, description="passes over the prompts (None: loop forever)")
-    shuffle: bool = Field(True, description="shuffle the prompt order of each epoch")
-    seed: int = Field(0, description="seed of the per-epoch shuffle")
+    shuffle: bool = Field(
+        True,
+        description="shuffle the prompt order of each epoch (a controller built without a cursor; "
+        "grpo-async runs always shuffle, by task.seed and grpo.seed)",
+    )
+    seed: int = Field(
+        0,
+        description="seed of the per-epoch shuffle (a controller built without a cursor; grpo-async runs "
+        "order the prompts by task.seed and grpo.seed, as grpo does)",
+    )
     target_prompt_groups_per_step: int = Field(8, ge=1, description="groups trained per optimizer step")
     max_staleness: int = Field(
         1, ge=0, description="admit groups generated at most this many versions behind the trainer"
@@ -111,6 +119,11 @@ def _default_async() -> AsyncGRPOConfig:
     return AsyncGRPOConfig(num_steps=50, num_epochs=None, target_prompt_groups_per_step=16)
 
 
+# AsyncGRPOConfig fields only a controller built without a cursor reads (library use), and the fix
+_CURSOR_KEYS = {
+    "seed": "set grpo.seed (or task.seed) instead",
+    "shuffle": "remove it (a run's prompts are always shuffled)",
+}
 # GRPOLoopConfig fields the asynchronous run takes from `async_grpo` instead (name there).
 _MOVED = {
     "num_prompts_per_step": "target_prompt_groups_per_step",
@@ -155,6 +168,13 @@ class AsyncGRPORunConfig(GRPORunSections):
             if getattr(self.grpo, name) != getattr(defaults, name):
                 where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
                 raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
+        for name, fix in _CURSOR_KEYS.items():
+            if getattr(self.async_grpo, name) != AsyncGRPOConfig.model_fields[name].default:
+                raise ValueError(
+                    f"async_grpo.{name} is not used by a grpo-async run: its training prompts are served "
+                    f"by the task's cursor, shuffled each epoch in an order set by task.seed and grpo.seed "
+                    f"(as in grpo); {fix}"
+                )
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
         return self
