@@ -615,12 +615,37 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_results():
     plan = engine.cache.plan_prefill
     engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
     got = engine.generate(prompts, params)
-    assert prefilled == [3]
+    assert prefilled == [1, 1, 1]  # each distinct prompt once (lengths 9, 5, 3: a forward each)
     alone = make_engine(max_num_seqs=16, max_prefill_tokens=1).generate(prompts, params)  # one per chunk
     assert [r.token_ids for r in got] == [r.token_ids for r in alone]
     for a, b in zip(got, alone):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
     assert len({tuple(r.token_ids) for r in got[:4]}) == 4  # own random streams: distinct completions
+
+
+def test_prompts_of_similar_length_share_a_prefill_forward():
+    """A chunk's distinct prompts run longest first, in forwards whose prompts are at least
+    PREFILL_MIN_FILL of the forward's longest (little padding), and sample what each would alone."""
+    from posttrain.generation.sessions import PREFILL_MIN_FILL, prefill_groups
+
+    assert PREFILL_MIN_FILL == 0.75
+    assert prefill_groups([8, 7, 6, 4, 3]) == [(0, 3), (3, 5)]
+    assert prefill_groups([40, 31, 30, 29, 12]) == [(0, 3), (3, 4), (4, 5)]  # 30 = 0.75 x 40 stays
+    assert prefill_groups([5]) == [(0, 1)] and prefill_groups([]) == []
+    with pytest.raises(AssertionError, match="longest prompt first"):
+        prefill_groups([3, 5])
+    prompts = prompts_of([4, 8, 3, 7, 6])
+    params = SamplingParams(max_new_tokens=6, seed=1, stop_at_eos=False)
+    engine = make_engine(max_num_seqs=16)
+    widths = []
+    forward = engine._forward_at
+    engine._forward_at = lambda ids, *a: (widths.append(tuple(ids.shape)), forward(ids, *a))[1]
+    got = engine.generate(prompts, params)
+    assert widths[:2] == [(3, 8), (2, 4)]  # (rows, padded width): 8, 7, 6 then 4, 3
+    alone = make_engine(max_num_seqs=16, max_prefill_tokens=1).generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    for a, b in zip(got, alone):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
 
 
 def test_prefill_budget_counts_a_repeated_prompt_once():
@@ -646,10 +671,10 @@ def test_finished_slots_are_refilled_in_batches_with_the_same_results():
 
     def run(**cfg) -> tuple[list, list[int]]:
         engine = make_engine(max_num_seqs=8, **cfg)
-        prefilled: list[int] = []
-        plan = engine.cache.plan_prefill
-        engine.cache.plan_prefill = lambda first, rows, *a: (prefilled.append(rows), plan(first, rows, *a))
-        return engine.generate(prompts, params), prefilled
+        admitted: list[int] = []  # prompts per admission (a chunk may run as several forwards)
+        prefill = engine._prefill
+        engine._prefill = lambda chunk: (admitted.append(len(chunk)), prefill(chunk))[1]
+        return engine.generate(prompts, params), admitted
 
     at_once, eager = run(admit_min_free_fraction=0.0)
     batched, lazy = run(admit_min_free_fraction=0.5)

@@ -4,8 +4,8 @@
 use the `past_key_values.update(...)` protocol (Llama, Qwen2/3, Mistral, Gemma2/3, gpt-oss). Layers
 with a sliding window get masks of their own and keep only the window's keys/values; models whose
 attention soft-caps or has sinks run eager attention (generation/windows.py). Requests wait
-in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, up to
-`max_prefill_tokens` per forward), then decodes one token for every active slot. A finished
+in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, in
+forwards of similar prompt lengths, up to `max_prefill_tokens` per chunk), then decodes one token for every active slot. A finished
 sequence frees its slot at once; waiting prompts take the free slots (continuous batching) once a
 quarter of them is free, or all the waiting prompts fit, or a few decode steps have passed
 (`admit_min_free_fraction`, `admit_max_delay_steps`): each prefill is a forward of its own, so a
@@ -54,7 +54,7 @@ from posttrain.generation.params import EngineStateError, GenerationConfig, Gene
 from posttrain.generation.requests import Request, check_prompt, stop_ids
 from posttrain.generation.routing import RoutingLog
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
-from posttrain.generation.sessions import EngineSessions, PrefillBudget
+from posttrain.generation.sessions import EngineSessions, PrefillBudget, prefill_groups
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
 from posttrain.generation.windows import WindowMasks, check_supported, prepare_attention
@@ -369,35 +369,43 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         """Prefill a chunk of prompts into the next free slots and draw each one's first token.
 
         Identical prompts (the n completions of one prompt in GRPO) are prefilled once: the distinct
-        prompts take the first slots, the repeats get a copy of their keys/values and of their logits,
-        and each request then draws with its own random stream."""
-        distinct: dict[tuple[int, ...], int] = {}
-        firsts, repeats = [], []
+        prompts take the first slots, longest first, the repeats get a copy of their keys/values and of
+        their logits, and each request then draws with its own random stream. The distinct prompts run
+        in forwards of similar lengths (`prefill_groups`), so little of the work is padding."""
+        first_of: dict[tuple[int, ...], Request] = {}
         for r in chunk:
-            key = tuple(r.prompt)
-            if key in distinct:
-                repeats.append(r)
-            else:
-                distinct[key] = len(firsts)
-                firsts.append(r)
+            first_of.setdefault(tuple(r.prompt), r)
+        firsts = sorted(first_of.values(), key=lambda r: -len(r.prompt))  # stable for equal lengths
+        distinct = {tuple(r.prompt): i for i, r in enumerate(firsts)}
+        repeats = [r for r in chunk if first_of[tuple(r.prompt)] is not r]
         chunk = firsts + repeats
         n0, k, u = len(self._active), len(chunk), len(firsts)
-        width = max(len(r.prompt) for r in firsts)
-        rows = [r.prompt + [self.pad_token_id] * (width - len(r.prompt)) for r in firsts]
-        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = torch.tensor([len(r.prompt) for r in firsts], dtype=torch.long, device=self.device)
-        ar = self._arange[:width]
-        mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
-        self.cache.plan_prefill(n0, u, lengths)
-        mask = self._masks.prefill(mask)
-        with self._routing.prefill(firsts, chunk, width) if self._routing else contextlib.nullcontext():
-            logits = self._forward_at(ids, ar[None, :].expand(u, width), mask, lengths - 1)
+        if self._routing:  # the routing record reads one forward's rows
+            with self._routing.prefill(firsts, chunk, len(firsts[0].prompt)):
+                logits = self._prefill_rows(firsts, lengths, n0)
+        else:
+            groups = prefill_groups([len(r.prompt) for r in firsts])
+            logits = torch.cat([self._prefill_rows(firsts[a:b], lengths[a:b], n0 + a) for a, b in groups])
         self.num_prefill_tokens += sum(len(r.prompt) for r in firsts)
         if repeats:
             source = torch.tensor([distinct[tuple(r.prompt)] for r in chunk], device=self.device)
-            self.cache.copy_slots(source[u:] + n0, torch.arange(n0 + u, n0 + k, device=self.device), width)
+            longest = len(firsts[0].prompt)
+            self.cache.copy_slots(source[u:] + n0, torch.arange(n0 + u, n0 + k, device=self.device), longest)
             logits, lengths = logits[source], lengths[source]
         return self._start(chunk, n0, logits, lengths)
+
+    def _prefill_rows(self, rows: list[Request], lengths: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """One prefill forward of the prompts `rows` (of `lengths`, right-padded to the longest) into
+        slots first_slot..; their next-token logits [len(rows), V]."""
+        width = max(len(r.prompt) for r in rows)
+        pad = self.pad_token_id
+        ids = torch.tensor([r.prompt + [pad] * (width - len(r.prompt)) for r in rows], device=self.device)
+        ar = self._arange[:width]
+        mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths[:, None, None])
+        mask = self._masks.prefill(mask)
+        self.cache.plan_prefill(first_slot, len(rows), lengths)
+        return self._forward_at(ids, ar[None, :].expand(len(rows), width), mask, lengths - 1)
 
     def _start(
         self, chunk: list[Request], n0: int, logits: torch.Tensor, lengths: torch.Tensor

@@ -78,6 +78,24 @@ class SessionStore:
             self._entries.clear()
 
 
+# a prefill forward takes prompts down to this fraction of its longest one; shorter ones start the next
+# forward (at most ~1/3 of a forward's rows x width is padding, and a chunk of lengths from l to L runs
+# in about log(L / l) / log(1 / PREFILL_MIN_FILL) + 1 forwards)
+PREFILL_MIN_FILL = 0.75
+
+
+def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Split prompts of `lengths` (longest first) into runs [a, b) of similar length, one prefill
+    forward each: a run ends before the first prompt shorter than PREFILL_MIN_FILL of its first."""
+    groups, start = [], 0
+    for i, n in enumerate(lengths):
+        assert i == 0 or n <= lengths[i - 1], "prefill_groups wants the longest prompt first"
+        if n < PREFILL_MIN_FILL * lengths[start]:
+            groups.append((start, i))
+            start = i
+    return [*groups, (start, len(lengths))] if lengths else []
+
+
 class PrefillBudget:
     """The token cost of one prefill chunk, held to `max_prefill_tokens`: the fresh prompts' forward
     (distinct prompts, as repeats are prefilled once, times the longest) plus the continued prompts'
