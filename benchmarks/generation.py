@@ -81,9 +81,16 @@ def hf_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, gre
     return run
 
 
-def engine_runner(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, greedy: bool = False):
+def engine_runner(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int = NEW_TOKENS,
+    greedy: bool = False,
+    engine_cfg: dict | None = None,
+):
     longest = max(map(len, prompts)) + new_tokens
-    engine = GenerationEngine(model, None, GenerationConfig(max_num_seqs=len(prompts), max_model_len=longest))
+    cfg = GenerationConfig(max_num_seqs=len(prompts), max_model_len=longest, **(engine_cfg or {}))
+    engine = GenerationEngine(model, None, cfg)
     params = SamplingParams(
         temperature=1.0, greedy=greedy, max_new_tokens=new_tokens, seed=0, stop_at_eos=False
     )
@@ -132,15 +139,16 @@ def compare(
     new_tokens: int = NEW_TOKENS,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    engine_cfg: dict | None = None,
 ) -> Comparison:
     """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts, both
-    on `device` in `dtype`."""
+    on `device` in `dtype`; `engine_cfg`: more GenerationConfig fields of the engine."""
     shape = shape or SHAPE
     ours_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
     # same weights, untouched by the engine
     ref_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
     prompts = make_prompts(vocab, batch)
-    ours = engine_runner(ours_model, prompts, new_tokens, greedy)
+    ours = engine_runner(ours_model, prompts, new_tokens, greedy, engine_cfg)
     ref = hf_runner(ref_model, prompts, new_tokens, greedy)
     ours(), ref()  # warm-up (first-call costs, the engine's KV cache and packed LM head)
     t_ours, t_ref = [], []

@@ -10,6 +10,9 @@ Sizes: the sweep's 150m (32000-token vocabulary) and the shapes of Qwen2.5-0.5B 
   reported as the fraction of the measured copy bandwidth that its decode traffic (every weight once per
   step, each sequence's cached keys and values) would need, prefill included in the time, so the
   fraction is a lower bound of the decode steps'.
+- the engine replays its decode steps from CUDA graphs (`generation.cuda_graphs`, generation/graphs.py)
+  in both modes; greedy is timed without them too (`gpu_cuda_graphs_speedup_<size>`: the engine's
+  greedy call without graphs over with them). `--no-cuda-graphs` turns them off.
 - training (benchmarks/train_throughput.py `compare_train`): one global batch of 16 x 512 tokens in
   micro-batches of 4, fp32 weights and bf16 autocast on both sides, AdamW; model FLOP/s as a fraction of
   the measured bf16 matmul peak.
@@ -132,15 +135,19 @@ def decode_bytes(model_shape: DecoderShape, prompt_lengths: list[int], new_token
     return total
 
 
-def generation(size: str, device: torch.device, quick: bool, bandwidth: float) -> dict:
+def generation(size: str, device: torch.device, quick: bool, bandwidth: float, graphs: bool) -> dict:
     vocab, shp = SIZES[size]
     batch, new_tokens, repeats = (16, 32, 2) if quick else (64, 128, 3)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {"batch": batch, "new_tokens": new_tokens}
     lengths = [len(p) for p in make_prompts(vocab, batch)]  # the prompts `compare` decodes
     moved = decode_bytes(DecoderShape.of(tiny_config(vocab, **shp)), lengths, new_tokens, dtype.itemsize)
-    for mode in ("sampling", "greedy"):
-        c = compare(vocab, repeats, shp, mode == "greedy", batch, new_tokens, str(device), dtype)
+    # the engine replays CUDA graphs (generation.cuda_graphs) in both modes; greedy is also timed
+    # without them, the engine of before
+    modes = {"sampling": graphs, "greedy": graphs, **({"greedy_no_graphs": False} if graphs else {})}
+    for mode, cuda_graphs in modes.items():
+        cfg = {"cuda_graphs": cuda_graphs}
+        c = compare(vocab, repeats, shp, mode != "sampling", batch, new_tokens, str(device), dtype, cfg)
         out[mode] = {
             "engine_tok_s": c.ours_tps,
             "hf_tok_s": c.ref_tps,
@@ -154,7 +161,7 @@ def generation(size: str, device: torch.device, quick: bool, bandwidth: float) -
         }
         g = out[mode]
         print(
-            f"  generate {mode:8s}: engine {g['engine_tok_s']:9.1f} tok/s ({g['engine_ms_per_step']:.1f} ms/step, "
+            f"  generate {mode:16s}: engine {g['engine_tok_s']:9.1f} tok/s ({g['engine_ms_per_step']:.1f} ms/step, "
             f"{g['engine_bw_frac']:.1%} of bandwidth), transformers {g['hf_tok_s']:9.1f} tok/s "
             f"({g['hf_ms_per_step']:.1f} ms/step, {g['hf_bw_frac']:.1%}), speedup {g['speedup']:.2f}x",
             flush=True,
@@ -189,6 +196,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only checks the script")
     ap.add_argument("--no-train", action="store_true", help="skip the train-step comparison")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="the engine without generation.cuda_graphs")
     ap.add_argument("--out", default=None, help="write gpu.json here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -210,7 +218,8 @@ def main() -> None:
     results = []
     for size in sizes:
         print(f"--- {size}", flush=True)
-        r = {"size": size, "generate": generation(size, device, args.quick, bandwidth)}
+        graphs = device.type == "cuda" and not args.no_cuda_graphs  # CUDA graphs need CUDA
+        r = {"size": size, "generate": generation(size, device, args.quick, bandwidth, graphs)}
         if not args.no_train:
             r["train"] = training(size, args.quick, peak)
         results.append(r)
@@ -226,6 +235,9 @@ def main() -> None:
         print(result_line(f"gpu_gen_speedup_vs_hf_{size}", g["sampling"]["speedup"], ">=1"))
         print(result_line(f"gpu_gen_speedup_vs_hf_greedy_{size}", g["greedy"]["speedup"], ">=1"))
         print(result_line(f"gpu_decode_bw_frac_{size}", g["greedy"]["engine_bw_frac"], ">=0.5"))
+        if "greedy_no_graphs" in g:
+            before = g["greedy_no_graphs"]["engine_s"]
+            print(result_line(f"gpu_cuda_graphs_speedup_{size}", before / g["greedy"]["engine_s"], ">=2"))
         if "train" in r:
             print(result_line(f"gpu_train_vs_handwritten_{size}", r["train"]["speedup"], ">=0.9"))
 

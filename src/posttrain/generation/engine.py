@@ -47,6 +47,7 @@ from collections.abc import Hashable, Iterator
 import torch
 
 from posttrain.dtypes import DTYPES
+from posttrain.generation.graphs import DecodeGraphs
 from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lean_decode import LeanDecoder
 from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
@@ -120,6 +121,20 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._count = torch.zeros(s, dtype=torch.long, device=dev)  # tokens drawn so far
         self._arange = torch.arange(self.max_len, device=dev)
         self._rows: RowParams | None = None
+        self._graphs = None
+        if self.cfg.cuda_graphs:
+            if self._lean is None:
+                raise ValueError(
+                    f"generation.cuda_graphs covers the lean decoder's models (Llama, Qwen2, Mistral without "
+                    f"sliding windows); {self.model.config.model_type} decodes through transformers' forward. "
+                    "Set generation.cuda_graphs=false for it"
+                )
+            self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, self.dtype, capture=True)
+
+    def _graph_step(self, rows: int, length: int) -> torch.Tensor:
+        """The decode forward a graph captures: logits of slots 0..rows-1 from the engine's buffers."""
+        mask = self._graphs.mask[:rows, :, :, :length]
+        return self._head(self._lean(self._last[:rows], self._pos[:rows], mask, self.cache))
 
     def _build_queues(self) -> None:
         self._waiting: deque[Request] = deque()
@@ -478,9 +493,12 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             )
         length = max(r.position for r in self._active) + 1
         pos = self._pos[:n]
-        mask = self._masks.decode(self._arange[:length][None, :] <= pos[:, None])
+        visible = self._arange[:length][None, :] <= pos[:, None]
+        mask = self._masks.decode(visible)
         self.cache.plan_decode(n, pos, length)
-        if self._lean is not None and self.cache.keys[0] is not None:
+        if self._graphs is not None and self.cache.keys[0] is not None:
+            logits = self._graphs.run(n, visible)
+        elif self._lean is not None and self.cache.keys[0] is not None:
             logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
         else:
             with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
@@ -560,40 +578,3 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
                 f"{verb}() while {len(self._active)} sequences are decoding; call it between requests "
                 "(after generate() returns, or via load_weights_async() from asyncio code)"
             )
-
-    # ------------------------------------------------------------------ sleep / wake
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self._sleeping
-
-    def sleep(self, keep_weights: bool = True) -> dict[str, float]:
-        """Release device memory: the KV cache always; parameters too (moved to host memory when
-        `keep_weights`, dropped otherwise; shared weights are dropped and come back with the next sync).
-        On a CPU engine with `keep_weights` the parameters stay where they are. Idempotent."""
-        with self._lock:
-            self._check_idle("sleep")
-            if self._sleeping:
-                return {"bytes_released": 0.0}
-            released = self.cache.nbytes() + self._sessions.nbytes()
-            self.cache.free()
-            self.clear_sessions()  # their keys/values live on the device
-            self._head.drop_packed()
-            keep_host = keep_weights and not self._shared
-            if not (keep_host and self.device.type == "cpu"):
-                released += self._release_params(keep_host)
-                self._weights_valid = keep_host
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self._sleeping = True
-            return {"bytes_released": float(released)}
-
-    def wake(self) -> None:
-        """Restore what `sleep()` released (parameters from host memory, or empty ones awaiting
-        load_weights()); the KV cache is allocated again on the next forward. Idempotent."""
-        with self._lock:
-            if not self._sleeping:
-                return
-            self._restore_params()
-            self._head.drop_packed()
-            self._sleeping = False

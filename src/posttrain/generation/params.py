@@ -65,6 +65,12 @@ class GenerationConfig(Config):
         "the new tokens of the session's next prompt when it extends them (multi-turn); "
         "False = store nothing, always prefill whole prompts",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="replay each decode step from a CUDA graph (one per bucket of rows and attended length, "
+        "captured on first use): one launch instead of a few hundred per token; CUDA only, and for the "
+        "families the lean decoder runs (Llama, Qwen2, Mistral without sliding windows)",
+    )
     record_routing: bool = Field(
         False,
         description="MoE models: return with each result the expert ids its tokens were routed to "

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
+from posttrain.generation.graphs import DecodeGraphs
+from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lm_head import LMHead
 from posttrain.generation.params import EngineStateError
 from posttrain.models.lora import is_adapter_key
@@ -127,6 +130,16 @@ class EngineWeights:
     _released: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]]  # by sleep(), for wake()
     _adapters: bool  # the model carries LoRA adapters: loads bring only them, the base stays
     clear_sessions: Callable[[], None]  # stored keys/values were computed with the old weights
+    cache: SlotKVCache
+    _sessions: Any  # the session store (generation/sessions.py): nbytes()
+    _graphs: DecodeGraphs | None  # CUDA graphs of the decode step (hold parameter and cache addresses)
+    _check_idle: Callable[[str], None]
+
+    def _drop_compiled(self) -> None:
+        """Forget what was derived from the parameters' current memory: packed copies, decode graphs."""
+        self._head.drop_packed()
+        if self._graphs is not None:
+            self._graphs.drop()
 
     def begin_load(self, share: bool = False) -> WeightLoad:
         """Start loading weights piece by piece (e.g. one received bucket at a time); the engine refuses
@@ -135,6 +148,8 @@ class EngineWeights:
         self._check_idle("load_weights")
         if self._sleeping:
             raise EngineStateError("load_weights() while asleep; call wake() first")
+        if share or self._shared:  # parameters are re-pointed: graphs hold their old addresses
+            self._drop_compiled()
         if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
             state = self.model.state_dict(keep_vars=True).values()
             for t in {id(t): t for t in state}.values():
@@ -169,6 +184,41 @@ class EngineWeights:
         self._head.drop_packed()  # loads write through .data, which bumps no version counter
         self._weights_valid = True
         self.weight_version = int(version)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def sleep(self, keep_weights: bool = True) -> dict[str, float]:
+        """Release device memory: the KV cache always; parameters too (moved to host memory when
+        `keep_weights`, dropped otherwise; shared weights are dropped and come back with the next sync).
+        On a CPU engine with `keep_weights` the parameters stay where they are. Idempotent."""
+        with self._lock:
+            self._check_idle("sleep")
+            if self._sleeping:
+                return {"bytes_released": 0.0}
+            released = self.cache.nbytes() + self._sessions.nbytes()
+            self.cache.free()
+            self.clear_sessions()  # their keys/values live on the device
+            self._drop_compiled()
+            keep_host = keep_weights and not self._shared
+            if not (keep_host and self.device.type == "cpu"):
+                released += self._release_params(keep_host)
+                self._weights_valid = keep_host
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._sleeping = True
+            return {"bytes_released": float(released)}
+
+    def wake(self) -> None:
+        """Restore what `sleep()` released (parameters from host memory, or empty ones awaiting
+        load_weights()); the KV cache is allocated again on the next forward. Idempotent."""
+        with self._lock:
+            if not self._sleeping:
+                return
+            self._restore_params()
+            self._drop_compiled()
+            self._sleeping = False
 
     def _release_params(self, to_host: bool) -> int:
         """Free the parameters' device memory (copied to host memory first with `to_host`); bytes freed."""

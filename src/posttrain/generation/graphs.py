@@ -1,0 +1,118 @@
+"""Decode steps replayed from CUDA graphs (`generation.cuda_graphs`).
+
+On a GPU a decode step of a small or mid-size model is a few hundred kernels launched one by one from
+Python: the first H100 runs measured 9-19 ms per step where the weights and the KV cache take 0.1-1 ms to
+read (benchmarks/RESULTS.md, "On a GPU"). A CUDA graph launches the captured step as one unit.
+
+A graph replays fixed shapes and fixed addresses, so the step runs on buckets: the rows padded to the
+next power of two (at most `max_num_seqs`), the attended length to the next multiple of
+`LENGTH_BUCKET` (at most the cache's length). Rows past the active ones are free slots: their position
+is set to 0 and their mask shows column 0 alone, so each writes its key/value into its own free slot's
+column 0 and attends over that (nothing reads it; a prefill overwrites it). One graph per (rows,
+length) bucket, captured the first time the bucket is needed, all in one memory pool. Graphs hold the
+addresses of the parameters and of the KV cache: the engine drops them (`drop`) when it sleeps (the
+cache is freed, parameters may move to the host) and when a load re-points parameters (sharing a
+trainer's tensors, or leaving them); copy loads write in place and keep them.
+
+In the graph: the lean decoder's forward and the LM head (generation/lean_decode.py), from the engine's
+own buffers (last tokens, positions) and this object's mask buffer to a logits buffer. The sampler runs
+after it, eagerly (about twenty ops).
+
+With `capture=False` the same bucketed step runs eagerly: that is how the CPU tests check the bucketing
+and padding (tests/test_generation.py); replay against eager is checked by the GPU tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LENGTH_BUCKET = 256  # attended lengths are rounded up to a multiple of this (at most the cache's)
+WARMUP_STEPS = 2  # eager runs on a side stream before a capture (lazy initialisation, cuBLAS workspaces)
+
+
+def row_bucket(rows: int, max_rows: int) -> int:
+    """The rows a step of `rows` active sequences runs with: the next power of two, at most `max_rows`."""
+    return min(1 << max(rows - 1, 0).bit_length(), max_rows)
+
+
+def length_bucket(length: int, max_len: int) -> int:
+    """The attended length a step over `length` positions runs with: the next multiple of LENGTH_BUCKET,
+    at most `max_len`."""
+    return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max_len)
+
+
+class DecodeGraphs:
+    """Bucketed decode steps, replayed from CUDA graphs (or run eagerly with `capture=False`).
+
+    `step(rows, length)` is the engine's forward from its buffers: logits [rows, V] of the tokens
+    `last[:rows]` at `positions[:rows]` under `self.mask[:rows, :, :, :length]`. `positions` is the
+    engine's tensor of slot positions: `run` zeroes the padding rows' entries (free slots, written
+    again when a prompt is admitted)."""
+
+    def __init__(
+        self,
+        step: Callable[[int, int], torch.Tensor],
+        positions: torch.Tensor,
+        max_len: int,
+        dtype: torch.dtype,
+        capture: bool,
+    ) -> None:
+        if capture and positions.device.type != "cuda":
+            raise ValueError(
+                f"generation.cuda_graphs needs a CUDA device; this engine is on {positions.device.type}. "
+                "Set generation.cuda_graphs=false (the default) there"
+            )
+        self.step = step
+        self.positions = positions
+        self.max_rows, self.max_len = positions.shape[0], max_len
+        self.capture = capture
+        self.floor = torch.finfo(dtype).min  # the additive mask's "hidden"
+        self.mask = torch.zeros(self.max_rows, 1, 1, max_len, dtype=dtype, device=positions.device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.num_captured = 0  # graphs captured over the engine's life (a drop does not reset it)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, rows: int, visible: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, V] of one decode step of the first `rows` slots; `visible` [rows, L] marks the
+        positions each row attends over (L = the longest row's position + 1)."""
+        padded, length = row_bucket(rows, self.max_rows), length_bucket(visible.shape[1], self.max_len)
+        mask = self.mask[:padded, 0, 0, :length]
+        mask.fill_(self.floor)
+        mask[:rows, : visible.shape[1]].masked_fill_(visible, 0.0)
+        mask[rows:, 0] = 0.0  # padding rows see their own column 0
+        self.positions[rows:padded] = 0
+        if not self.capture:
+            return self.step(padded, length)[:rows]
+        key = (padded, length)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(padded, length)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:rows]
+
+    def _capture(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture `step(rows, length)` into a graph of the shared pool. The warm-up runs write each
+        row's key/value at its position, as the replay does: the same values, so nothing changes."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self.step(rows, length)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self.step(rows, length)
+        self.num_captured += 1
+        return graph, logits
+
+    def drop(self) -> None:
+        """Forget every graph and its memory (the parameters or the KV cache moved or were freed)."""
+        self._graphs.clear()
+        self._pool = None
