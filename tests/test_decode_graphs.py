@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from posttrain.generation import graphs
 from posttrain.generation.engine import GenerationEngine
@@ -23,8 +24,8 @@ def prompts_of(lengths, seed: int = 1) -> list[list[int]]:
 
 
 def staggered(n: int = 7) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts of mixed lengths whose requests stop after 3..(n+2) tokens: the active rows shrink step by
-    step through every row bucket, and the attended length grows through several length buckets."""
+    """Prompts of mixed lengths whose requests stop after 3, 6, 9, ... tokens: the active rows shrink step
+    by step through every row bucket, and the attended length grows through several length buckets."""
     prompts = prompts_of([3 + (5 * i) % 11 for i in range(n)])
     params = [SamplingParams(max_new_tokens=3 + 3 * i, seed=i, stop_at_eos=False) for i in range(n)]
     return prompts, params
@@ -35,16 +36,27 @@ def test_buckets():
     assert row_bucket(40, 48) == 48  # never past the slots
     assert graphs.LENGTH_BUCKET == 256
     assert [length_bucket(n, 1000) for n in (1, 256, 257, 999, 1000)] == [256, 256, 512, 1000, 1000]
+    # past 4096 positions the step is an eighth of the power of two: at most 1/8 of padding
+    assert [length_bucket(n, 40000) for n in (4095, 4097, 5000, 9000, 33000)] == [
+        4096,
+        4608,
+        5120,
+        9216,
+        36864,
+    ]
+    assert len({length_bucket(n, 32768) for n in range(1, 32769)}) == 40
 
 
-def test_bucketed_steps_sample_what_plain_steps_sample(monkeypatch):
+@pytest.mark.parametrize("n", [7, 13])
+def test_bucketed_steps_sample_what_plain_steps_sample(monkeypatch, n):
     """Padding rows (free slots at position 0, seeing column 0) and attended lengths rounded up change
-    nothing a request draws: same tokens, logprobs within rounding, on every row and length bucket."""
+    nothing a request draws: same tokens, logprobs within rounding, on every row and length bucket; with
+    13 requests for 8 slots, later prompts are admitted into slots that padding rows wrote into."""
     monkeypatch.setattr(graphs, "LENGTH_BUCKET", 8)
-    prompts, params = staggered()
-    plain = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, GenerationConfig(max_num_seqs=8))
-    expected = plain.generate(prompts, params)
-    engine = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, GenerationConfig(max_num_seqs=8))
+    prompts, params = staggered(n)
+    cfg = GenerationConfig(max_num_seqs=8, admit_min_free_fraction=0.0)
+    expected = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, cfg).generate(prompts, params)
+    engine = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, cfg)
     assert engine._lean is not None
     engine._graphs = bucketed = DecodeGraphs(
         engine._graph_step, engine._pos, engine.max_len, engine.dtype, False
@@ -54,7 +66,7 @@ def test_bucketed_steps_sample_what_plain_steps_sample(monkeypatch):
     engine._graph_step = lambda rows, length: (seen.append((rows, length)), step(rows, length))[1]
     bucketed.step = engine._graph_step
     got = engine.generate(prompts, params)
-    assert {rows for rows, _ in seen} == {8, 4, 2, 1}  # 7 active rows padded to 8, then fewer
+    assert {rows for rows, _ in seen} == {8, 4, 2, 1}  # 7 (or 8) active rows, then fewer
     assert {length for _, length in seen} >= {16, 24, 32}
     assert all(length % 8 == 0 for _, length in seen)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
@@ -79,16 +91,24 @@ def test_graphs_are_dropped_when_parameters_or_the_cache_move():
     engine.load_weights(weights, version=2)
     assert len(drops) == 2
     engine.share_weights(weights, version=3)
-    assert len(drops) == 3
-    engine.load_weights(weights, version=4)  # leaves the shared tensors: re-points every parameter
-    assert len(drops) == 4
+    shared = len(drops)
+    assert shared >= 3  # the parameters now view the given tensors
+    engine.share_weights(weights, version=4)  # the same tensors again (GRPO's sync every step)
+    assert len(drops) == shared
+    engine.load_weights(weights, version=5)  # leaves the shared tensors: re-points every parameter
+    assert len(drops) == shared + 1
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="needs a CUDA device; this engine is on cpu"):
         GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, GenerationConfig(cuda_graphs=True))
+    config = build_tiny_model(VOCAB, seed=0).config
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    dynamic = AutoModelForCausalLM.from_config(config)  # its rotary decides on the host when to recompute
+    with pytest.raises(ValueError, match="llama model has a dynamic rotary embedding"):
+        GenerationEngine(dynamic, TOK, GenerationConfig(cuda_graphs=True))
     qwen3 = build_tiny_model(VOCAB, seed=0, family="qwen3")  # q/k norms: not a lean-decoder model
-    with pytest.raises(ValueError, match="qwen3 decodes through transformers' forward"):
+    with pytest.raises(ValueError, match="qwen3 model decodes through transformers' forward"):
         GenerationEngine(qwen3, TOK, GenerationConfig(cuda_graphs=True))
 
 
@@ -111,7 +131,7 @@ def test_replayed_graphs_decode_what_eager_steps_decode():
         for x, y in zip(a, b):
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
     captured = graphed._graphs.num_captured
-    assert captured >= 4 and len(graphed._graphs) == captured  # one per bucket, reused by the second call
+    assert captured == 4 and len(graphed._graphs) == 4  # rows 8, 4, 2, 1 at length 256; reused by greedy
     other = build_tiny_model(VOCAB, seed=1).state_dict()
     for e in (eager, graphed):
         e.load_weights(other, version=1)

@@ -123,18 +123,22 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._rows: RowParams | None = None
         self._graphs = None
         if self.cfg.cuda_graphs:
-            if self._lean is None:
+            config = self.model.config
+            why = "decodes through transformers' forward" if self._lean is None else None
+            if why is None and "dynamic" in str(getattr(self._body.rotary_emb, "rope_type", "")):
+                why = "has a dynamic rotary embedding (recomputed on a host-side length check)"
+            if why:
                 raise ValueError(
                     f"generation.cuda_graphs covers the lean decoder's models (Llama, Qwen2, Mistral without "
-                    f"sliding windows); {self.model.config.model_type} decodes through transformers' forward. "
-                    "Set generation.cuda_graphs=false for it"
+                    f"sliding windows or dynamic rope); this {config.model_type} model {why}. Set "
+                    "generation.cuda_graphs=false for it"
                 )
             self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, self.dtype, capture=True)
 
     def _graph_step(self, rows: int, length: int) -> torch.Tensor:
-        """The decode forward a graph captures: logits of slots 0..rows-1 from the engine's buffers."""
+        """The decode forward a graph captures: hidden states of slots 0..rows-1 from the engine's buffers."""
         mask = self._graphs.mask[:rows, :, :, :length]
-        return self._head(self._lean(self._last[:rows], self._pos[:rows], mask, self.cache))
+        return self._lean(self._last[:rows], self._pos[:rows], mask, self.cache)
 
     def _build_queues(self) -> None:
         self._waiting: deque[Request] = deque()
@@ -494,13 +498,14 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         length = max(r.position for r in self._active) + 1
         pos = self._pos[:n]
         visible = self._arange[:length][None, :] <= pos[:, None]
-        mask = self._masks.decode(visible)
-        self.cache.plan_decode(n, pos, length)
         if self._graphs is not None and self.cache.keys[0] is not None:
-            logits = self._graphs.run(n, visible)
+            logits = self._head(self._graphs.run(n, visible))
         elif self._lean is not None and self.cache.keys[0] is not None:
+            mask = self._masks.decode(visible)
             logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
         else:
+            mask = self._masks.decode(visible)
+            self.cache.plan_decode(n, pos, length)  # transformers' attention writes through cache.update
             with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
                 logits = self._decode_logits(n, pos, mask)
         tokens, logprobs = sample(logits, self._rows, self._count[:n])

@@ -5,8 +5,10 @@ Python: the first H100 runs measured 9-19 ms per step where the weights and the 
 read (benchmarks/RESULTS.md, "On a GPU"). A CUDA graph launches the captured step as one unit.
 
 A graph replays fixed shapes and fixed addresses, so the step runs on buckets: the rows padded to the
-next power of two (at most `max_num_seqs`), the attended length to the next multiple of
-`LENGTH_BUCKET` (at most the cache's length). Rows past the active ones are free slots: their position
+next power of two (at most `max_num_seqs`), the attended length rounded up to a multiple of
+`LENGTH_BUCKET`, or of an eighth of its power of two when that is larger (past 2048 positions at most
+an eighth of the attended length is padding; a 32k context has 40 length buckets), at most the cache's
+length. Rows past the active ones are free slots: their position
 is set to 0 and their mask shows column 0 alone, so each writes its key/value into its own free slot's
 column 0 and attends over that (nothing reads it; a prefill overwrites it). One graph per (rows,
 length) bucket, captured the first time the bucket is needed, all in one memory pool. Graphs hold the
@@ -14,12 +16,16 @@ addresses of the parameters and of the KV cache: the engine drops them (`drop`) 
 cache is freed, parameters may move to the host) and when a load re-points parameters (sharing a
 trainer's tensors, or leaving them); copy loads write in place and keep them.
 
-In the graph: the lean decoder's forward and the LM head (generation/lean_decode.py), from the engine's
-own buffers (last tokens, positions) and this object's mask buffer to a logits buffer. The sampler runs
-after it, eagerly (about twenty ops).
+In the graph: the lean decoder's forward (generation/lean_decode.py), from the engine's own buffers
+(last tokens, positions) and this object's mask buffer to the final hidden states [rows, H]. The LM head
+(one matmul, whose [rows, vocabulary] output would otherwise be kept per graph) and the sampler run
+after it, eagerly. What the forward reads as Python values is fixed at capture: the LoRA adapters that
+are active and their scaling (nothing in the engine changes them; a load of adapter weights writes in
+place). Models whose rotary embedding is `dynamic` decide on the host whether to recompute it, so the
+engine refuses graphs for them.
 
 With `capture=False` the same bucketed step runs eagerly: that is how the CPU tests check the bucketing
-and padding (tests/test_generation.py); replay against eager is checked by the GPU tier.
+and padding (tests/test_decode_graphs.py); replay against eager is checked by the GPU tier.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-LENGTH_BUCKET = 256  # attended lengths are rounded up to a multiple of this (at most the cache's)
-WARMUP_STEPS = 2  # eager runs on a side stream before a capture (lazy initialisation, cuBLAS workspaces)
+LENGTH_BUCKET = 256  # the smallest step of attended lengths (see length_bucket)
+WARMUP_STEPS = 2  # eager runs on a side stream before a capture (lazy initialisation of the step's ops)
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -38,15 +44,16 @@ def row_bucket(rows: int, max_rows: int) -> int:
 
 
 def length_bucket(length: int, max_len: int) -> int:
-    """The attended length a step over `length` positions runs with: the next multiple of LENGTH_BUCKET,
-    at most `max_len`."""
-    return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max_len)
+    """The attended length a step over `length` positions runs with: the next multiple of LENGTH_BUCKET or
+    of an eighth of the power of two below `length`, whichever is larger; at most `max_len`."""
+    step = max(LENGTH_BUCKET, 1 << max(length.bit_length() - 4, 0))
+    return min(-(-length // step) * step, max_len)
 
 
 class DecodeGraphs:
     """Bucketed decode steps, replayed from CUDA graphs (or run eagerly with `capture=False`).
 
-    `step(rows, length)` is the engine's forward from its buffers: logits [rows, V] of the tokens
+    `step(rows, length)` is the engine's forward from its buffers: hidden states [rows, H] of the tokens
     `last[:rows]` at `positions[:rows]` under `self.mask[:rows, :, :, :length]`. `positions` is the
     engine's tensor of slot positions: `run` zeroes the padding rows' entries (free slots, written
     again when a prompt is admitted)."""
@@ -70,7 +77,7 @@ class DecodeGraphs:
         self.capture = capture
         self.floor = torch.finfo(dtype).min  # the additive mask's "hidden"
         self.mask = torch.zeros(self.max_rows, 1, 1, max_len, dtype=dtype, device=positions.device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # + output
         self._pool = None
         self.num_captured = 0  # graphs captured over the engine's life (a drop does not reset it)
 
@@ -78,8 +85,9 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def run(self, rows: int, visible: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, V] of one decode step of the first `rows` slots; `visible` [rows, L] marks the
-        positions each row attends over (L = the longest row's position + 1)."""
+        """The step's output for the first `rows` slots (a view of the graph's buffer, valid until the
+        next step); `visible` [rows, L] marks the positions each row attends over (L = the longest
+        row's position + 1)."""
         padded, length = row_bucket(rows, self.max_rows), length_bucket(visible.shape[1], self.max_len)
         mask = self.mask[:padded, 0, 0, :length]
         mask.fill_(self.floor)
@@ -88,12 +96,10 @@ class DecodeGraphs:
         self.positions[rows:padded] = 0
         if not self.capture:
             return self.step(padded, length)[:rows]
-        key = (padded, length)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(padded, length)
-        graph, logits = self._graphs[key]
-        graph.replay()
-        return logits[:rows]
+        with torch.cuda.device(self.positions.device):  # a stepping thread starts on device 0
+            graph, out = self._graphs.get((padded, length)) or self._capture(padded, length)
+            graph.replay()
+        return out[:rows]
 
     def _capture(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture `step(rows, length)` into a graph of the shared pool. The warm-up runs write each
@@ -107,10 +113,12 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.step(rows, length)
+        # its own capture stream (not the class default another engine in the process would share)
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            out = self.step(rows, length)
         self.num_captured += 1
-        return graph, logits
+        self._graphs[(rows, length)] = (graph, out)
+        return graph, out
 
     def drop(self) -> None:
         """Forget every graph and its memory (the parameters or the KV cache moved or were freed)."""

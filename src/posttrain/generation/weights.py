@@ -33,8 +33,11 @@ class WeightLoad:
     the end (tied aliases count once). Made by `GenerationEngine.begin_load()`; `finish` hands the
     version to `on_finish` (the engine's `_mark_loaded`)."""
 
-    def __init__(self, model: torch.nn.Module, on_finish: Callable[[int], None]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, on_finish: Callable[[int], None], on_repoint: Callable[[], None]
+    ) -> None:
         self.on_finish = on_finish
+        self.on_repoint = on_repoint  # a parameter now views other memory (graphs hold the old address)
         state = model.state_dict(keep_vars=True)
         self.targets = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
         if any(is_adapter_key(k) for k in self.targets):  # the engine keeps its base; loads bring adapters
@@ -55,6 +58,7 @@ class WeightLoad:
                     )
                 if not _aliases(target, tensor):
                     self.repointed += 1
+                    self.on_repoint()
                 target.data = tensor.detach()
             else:
                 target.data.copy_(tensor)
@@ -148,16 +152,15 @@ class EngineWeights:
         self._check_idle("load_weights")
         if self._sleeping:
             raise EngineStateError("load_weights() while asleep; call wake() first")
-        if share or self._shared:  # parameters are re-pointed: graphs hold their old addresses
-            self._drop_compiled()
         if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
+            self._drop_compiled()  # every parameter moves
             state = self.model.state_dict(keep_vars=True).values()
             for t in {id(t): t for t in state}.values():
                 t.data = torch.empty_like(t.data)
             self._shared = False
         self._weights_valid = False
         self.clear_sessions()  # every load goes through here: kept keys/values belong to the old weights
-        return WeightLoad(self.model, self._mark_loaded)
+        return WeightLoad(self.model, self._mark_loaded, self._drop_compiled)
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.
