@@ -70,7 +70,8 @@ times and accuracies; for the ratio, a t-interval on the mean log ratio, exponen
 for the geometric mean).
 
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
-        [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--workdir DIR]
+        [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
+        [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ FULL = Setting(
 # --------------------------------------------------------------------------- configs
 
 
-def async_config(s: Setting, init: Path, out: Path, seed: int, ray_address: str | None):
+def async_config(
+    s: Setting, init: Path, out: Path, seed: int, ray_address: str | None, max_staleness: int = 1
+):
     """The asynchronous run of setting `s` from `init`; the synchronous one is `sync_config_like` it."""
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.config import build_config
@@ -146,7 +149,7 @@ def async_config(s: Setting, init: Path, out: Path, seed: int, ray_address: str 
                 "num_steps": s.steps,
                 "num_epochs": None,
                 "target_prompt_groups_per_step": s.prompts_per_step,
-                "max_staleness": 1,
+                "max_staleness": max_staleness,
                 "max_groups_per_call": s.prompts_per_step,
                 "max_in_flight_per_worker": 2 * s.prompts_per_step,
             },
@@ -245,7 +248,15 @@ def train_async(cfg, snaps: Snapshots) -> dict:
 
 
 def run_one(
-    mode: str, s: Setting, init: Path, out: Path, seed: int, threads: int, ray_address: str, every: int
+    mode: str,
+    s: Setting,
+    init: Path,
+    out: Path,
+    seed: int,
+    threads: int,
+    ray_address: str,
+    every: int,
+    max_staleness: int = 1,
 ):
     """One run in this process: train with `threads` torch threads, then (clock stopped) evaluate the
     weight copies; writes <out>/result.json."""
@@ -254,7 +265,7 @@ def run_one(
     from posttrain.logging import read_metrics
 
     torch.set_num_threads(threads)
-    cfg = async_config(s, init, out, seed, ray_address)
+    cfg = async_config(s, init, out, seed, ray_address, max_staleness)
     snaps = Snapshots(every, s.steps)
     done = (train_sync if mode == "sync" else train_async)(cfg, snaps)
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
@@ -289,12 +300,20 @@ def run_one(
 
 
 def run_in_process(
-    mode: str, s: Setting, init: Path, out: Path, seed: int, threads: int, ray_address: str, every: int
+    mode: str,
+    s: Setting,
+    init: Path,
+    out: Path,
+    seed: int,
+    threads: int,
+    ray_address: str,
+    every: int,
+    max_staleness: int = 1,
 ) -> dict:
     """`run_one` in a fresh process (fail fast: a dead process stops the benchmark, named)."""
     ctx = mp.get_context("spawn")
     name = f"{mode}_seed{seed}"
-    args = (mode, s, init, out, seed, threads, ray_address, every)
+    args = (mode, s, init, out, seed, threads, ray_address, every, max_staleness)
     watch(start(ctx, {name: (run_one, args)}), timeout_s=RUN_TIMEOUT_S)
     path = out / "result.json"
     if not path.is_file():
@@ -344,6 +363,13 @@ def main() -> None:
     ap.add_argument(
         "--sync-threads", type=int, default=SYNC_THREADS, help="torch threads of the synchronous process"
     )
+    ap.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="the asynchronous run's async_grpo.max_staleness (default 1; 0: on-policy, a check that the "
+        "asynchronous loop learns as the synchronous one does)",
+    )
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     args = ap.parse_args()
     require("ray", extra="ray")  # the asynchronous run's rollout actor
@@ -383,13 +409,14 @@ def main() -> None:
             f"setting: {s.prompts_per_step} prompts x {s.generations} completions x {s.steps} steps "
             f"= {s.steps * s.samples_per_step} trained samples per run, {s.max_new_tokens} new tokens, "
             f"lr {s.lr}, evaluated every {every} steps; cores {cores}; sync {args.sync_threads} thread(s), "
-            f"async trainer 1 + rollout actor 1 thread; async max_staleness 1 (TIS, cap 2)",
+            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS, cap 2)",
             flush=True,
         )
         for i, seed in enumerate(s.seeds):
             for mode in MODES if i % 2 == 0 else MODES[::-1]:
                 threads = args.sync_threads if mode == "sync" else 1
-                r = run_in_process(mode, s, init, root / f"{mode}_seed{seed}", seed, threads, address, every)
+                out = root / f"{mode}_seed{seed}"
+                r = run_in_process(mode, s, init, out, seed, threads, address, every, args.max_staleness)
                 results[mode].append(r)
                 print(describe(mode, seed, r, target, window, s.steps), flush=True)
         capacity.append(parallel_capacity(spin_s))
