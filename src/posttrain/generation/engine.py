@@ -5,7 +5,8 @@ use the `past_key_values.update(...)` protocol (Llama, Qwen2/3, Mistral, Gemma2/
 with a sliding window get masks of their own and keep only the window's keys/values; models whose
 attention soft-caps or has sinks run eager attention (generation/windows.py). Requests wait
 in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, in
-forwards of similar prompt lengths, up to `max_prefill_tokens` per chunk), then decodes one token for every active slot. A finished
+forwards of similar prompt lengths, up to `max_prefill_tokens` per chunk), then decodes one token
+for every active slot (on a GPU optionally replayed from CUDA graphs, generation/graphs.py). A finished
 sequence frees its slot at once; waiting prompts take the free slots (continuous batching) once a
 quarter of them is free, or all the waiting prompts fit, or a few decode steps have passed
 (`admit_min_free_fraction`, `admit_max_delay_steps`): each prefill is a forward of its own, so a
