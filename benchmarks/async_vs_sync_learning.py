@@ -299,22 +299,12 @@ def run_one(
     (out / "result.json").write_text(json.dumps(result))
 
 
-def run_in_process(
-    mode: str,
-    s: Setting,
-    init: Path,
-    out: Path,
-    seed: int,
-    threads: int,
-    ray_address: str,
-    every: int,
-    max_staleness: int = 1,
-) -> dict:
-    """`run_one` in a fresh process (fail fast: a dead process stops the benchmark, named)."""
+def run_in_process(mode: str, s: Setting, init: Path, out: Path, seed: int, *rest) -> dict:
+    """`run_one(mode, s, init, out, seed, *rest)` in a fresh process (fail fast: a dead process stops the
+    benchmark, named)."""
     ctx = mp.get_context("spawn")
     name = f"{mode}_seed{seed}"
-    args = (mode, s, init, out, seed, threads, ray_address, every, max_staleness)
-    watch(start(ctx, {name: (run_one, args)}), timeout_s=RUN_TIMEOUT_S)
+    watch(start(ctx, {name: (run_one, (mode, s, init, out, seed, *rest))}), timeout_s=RUN_TIMEOUT_S)
     path = out / "result.json"
     if not path.is_file():
         raise ChildDied(f"the {name} process exited without writing {path}")

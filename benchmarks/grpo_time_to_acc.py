@@ -176,16 +176,13 @@ def warm_start(s: Setting, root: Path) -> Path:
 
 
 def fingerprint(model_dir: Path) -> str:
-    """SHA-256 of the weights saved in `model_dir` (its safetensors files, in name order)."""
-    digest = hashlib.sha256()
+    """SHA-256 of the weights saved in `model_dir` (the digests of its safetensors files, in name order)."""
+    from posttrain.checkpoint_verify import file_digest
+
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}: the warm start was not saved")
-    for path in files:
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+    return "+".join(file_digest(path) for path in files)
 
 
 # --------------------------------------------------------------------------- weight copies (in the sides)

@@ -119,17 +119,18 @@ def _default_async() -> AsyncGRPOConfig:
     return AsyncGRPOConfig(num_steps=50, num_epochs=None, target_prompt_groups_per_step=16)
 
 
-# AsyncGRPOConfig fields only a controller built without a cursor reads (library use), and the fix
-_CURSOR_KEYS = {
-    "seed": "set grpo.seed (or task.seed) instead",
-    "shuffle": "remove it (a run's prompts are always shuffled)",
-}
-# GRPOLoopConfig fields the asynchronous run takes from `async_grpo` instead (name there).
-_MOVED = {
-    "num_prompts_per_step": "target_prompt_groups_per_step",
-    "max_num_steps": "num_steps",
-    "max_num_epochs": "num_epochs",
-    "dynamic_sampling_max_refills": None,
+# fields a grpo-async run does not read, with what to do instead: grpo's step size and count (async_grpo
+# has its own) and the prompt order of a controller built without a cursor (library use)
+_ORDER = (
+    "its prompts come from the task's cursor, shuffled each epoch by task.seed and grpo.seed as in grpo; "
+)
+_UNUSED = {
+    ("grpo", "num_prompts_per_step"): "set async_grpo.target_prompt_groups_per_step instead",
+    ("grpo", "max_num_steps"): "set async_grpo.num_steps instead",
+    ("grpo", "max_num_epochs"): "set async_grpo.num_epochs instead",
+    ("grpo", "dynamic_sampling_max_refills"): "remove it",
+    ("async_grpo", "seed"): _ORDER + "set grpo.seed (or task.seed) instead",
+    ("async_grpo", "shuffle"): _ORDER + "remove it (a run's prompts are always shuffled)",
 }
 
 
@@ -163,18 +164,10 @@ class AsyncGRPORunConfig(GRPORunSections):
 
     @model_validator(mode="after")
     def _check(self) -> AsyncGRPORunConfig:
-        defaults = GRPOLoopConfig()
-        for name, moved_to in _MOVED.items():
-            if getattr(self.grpo, name) != getattr(defaults, name):
-                where = f"set async_grpo.{moved_to} instead" if moved_to else "remove it"
-                raise ValueError(f"grpo.{name} is not used by the asynchronous loop; {where}")
-        for name, fix in _CURSOR_KEYS.items():
-            if getattr(self.async_grpo, name) != AsyncGRPOConfig.model_fields[name].default:
-                raise ValueError(
-                    f"async_grpo.{name} is not used by a grpo-async run: its training prompts are served "
-                    f"by the task's cursor, shuffled each epoch in an order set by task.seed and grpo.seed "
-                    f"(as in grpo); {fix}"
-                )
+        for (section, name), fix in _UNUSED.items():
+            value = getattr(self, section)
+            if getattr(value, name) != type(value).model_fields[name].default:
+                raise ValueError(f"{section}.{name} is not used by the asynchronous loop; {fix}")
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
         return self
