@@ -502,8 +502,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         if self._graphs is not None and self.cache.keys[0] is not None:
             logits = self._head(self._graphs.run(n, visible))
         elif self._lean is not None and self.cache.keys[0] is not None:
-            mask = self._masks.decode(visible)
-            logits = self._head(self._lean(self._last[:n], pos, mask, self.cache))
+            logits = self._head(self._lean(self._last[:n], pos, self._masks.decode(visible), self.cache))
         else:
             mask = self._masks.decode(visible)
             self.cache.plan_decode(n, pos, length)  # transformers' attention writes through cache.update
