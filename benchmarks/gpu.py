@@ -26,6 +26,7 @@ the same code on the CPU (to check the script itself, numbers meaningless).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -148,16 +149,15 @@ def generation(size: str, device: torch.device, quick: bool, bandwidth: float, g
     modes = {**({"greedy_no_graphs": False} if graphs else {}), "sampling": graphs, "greedy": graphs}
     for mode, cuda_graphs in modes.items():
         greedy, error = mode != "sampling", None
+        run = functools.partial(compare, vocab, repeats, shp, greedy, batch, new_tokens, str(device), dtype)
         try:
-            cfg = {"cuda_graphs": cuda_graphs}
-            c = compare(vocab, repeats, shp, greedy, batch, new_tokens, str(device), dtype, cfg)
+            c = run({"cuda_graphs": cuda_graphs})
         except Exception as e:
             if not cuda_graphs:
                 raise
             error = f"{type(e).__name__}: {e}"
             print(f"  generate {mode}: CUDA graphs FAILED ({error}); timed without them", flush=True)
-            cfg = {"cuda_graphs": False}
-            c = compare(vocab, repeats, shp, greedy, batch, new_tokens, str(device), dtype, cfg)
+            c = run({"cuda_graphs": False})
         out[mode] = {
             "cuda_graphs": cuda_graphs and error is None,
             "cuda_graphs_error": error,
