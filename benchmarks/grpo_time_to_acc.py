@@ -445,7 +445,12 @@ def report(results: dict[str, list[dict]], acc0: float, lrs: dict[str, float]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run of every part at 3m (under a minute)")
-    ap.add_argument("--seeds", type=int, default=None, help="test seeds (default 10; quick 1)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help=f"test seeds (default {len(FULL.seeds)}; quick {len(QUICK.seeds)})",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every process")
     ap.add_argument("--workdir", default=None, help="keep the warm start and runs here (default: a temp dir)")
     args = ap.parse_args()
