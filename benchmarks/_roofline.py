@@ -3,7 +3,12 @@ a decoder's shapes.
 
 `matmul_peak()` times fp32 (or the given dtype) square matmuls at the current intra-op thread count and
 returns the best GFLOP/s seen: the ceiling any dense model op can reach on this machine in this run
-(call it in the same run, at the same thread count, as what it is compared to).
+(call it in the same run, at the same thread count, as what it is compared to). On the CPU it times
+every GEMM this torch build offers, `torch.mm` (MKL's SGEMM) and oneDNN's linear (the kernel the
+engine's packed projections use), and keeps the best: on AMD CPUs with full-width AVX-512 (Zen 5) MKL
+runs a path without AVX-512 at less than half of oneDNN's GFLOP/s, and a probe of `torch.mm` alone
+would credit the engine with fractions above 0.9 of a "peak" it beats (benchmarks/RESULTS.md,
+"The roofline probe on a Zen 5 VM").
 
 FLOPs are model FLOPs (as in MFU): 2 per multiply-add of every projection a token goes through (q, k,
 v, o, the MLP, the LM head; the embedding lookup is free) plus attention, 2 x 2 x heads x head_dim per
@@ -41,19 +46,53 @@ def machine() -> str:
     )
 
 
-def matmul_peak(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), seconds: float = 0.5) -> float:
-    """Best GFLOP/s of n x n matmuls (for each n in `sizes`, repeated for about `seconds`)."""
-    best = 0.0
+def matmul_peak(
+    dtype: torch.dtype = torch.float32, sizes=(1024, 2048), seconds: float = 0.5, report: bool = False
+) -> float:
+    """Best GFLOP/s of n x n matmuls (for each n in `sizes` and each GEMM of `matmul_kernels`, repeated
+    for about `seconds`); `report`: print each GEMM's best."""
+    peaks = kernel_peaks(dtype, sizes, seconds)
+    if report:
+        each = ", ".join(f"{name} {gf:.0f}" for name, gf in peaks.items())
+        print(f"matmul probe ({dtype}, {torch.get_num_threads()} thread(s)), GFLOP/s: {each}", flush=True)
+    return max(peaks.values())
+
+
+def kernel_peaks(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), seconds: float = 0.5) -> dict:
+    """{GEMM name: best GFLOP/s of its n x n matmuls} for each kernel of `matmul_kernels`."""
+    peaks = {}
     for n in sizes:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        torch.mm(a, b, out=out)  # warm-up
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
-    return best
+        for name, run in matmul_kernels(a, b).items():
+            run()  # warm-up (and oneDNN's primitive creation)
+            best = peaks.get(name, 0.0)
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                run()
+                best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
+            peaks[name] = best
+    return peaks
+
+
+def matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Callables computing `a @ b` with each GEMM available for these tensors: `torch.mm` always; on
+    the CPU in fp32 also oneDNN's linear on `b` as a weight, plain and packed (where this build has
+    oneDNN)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    kernels = {"torch.mm": lambda: torch.mm(a, b, out=out)}
+    if a.device.type != "cpu" or a.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return kernels
+    linear = torch.ops.mkldnn._linear_pointwise
+    weight = b.t().contiguous()  # linear computes a @ weight^T
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, a.shape[0])
+        linear(a, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):  # a build without these oneDNN ops
+        return kernels
+    kernels["onednn linear"] = lambda: linear(a, weight, None, "none", [], "")
+    kernels["onednn packed linear"] = lambda: linear(a, packed, None, "none", [], "")
+    return kernels
 
 
 @dataclass(frozen=True)

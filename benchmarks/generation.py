@@ -247,7 +247,7 @@ def main() -> None:
     print(f"model: tiny llama {SHAPE}, vocab {vocab}; batch {BATCH}, prompts 24-40, {NEW_TOKENS} new tokens")
     print(f"threads {threads}, repeats {repeats} (interleaved), medians")
     print(f"machine: {machine()}")
-    peak = matmul_peak()
+    peak = matmul_peak(report=True)
     print(f"roofline: fp32 matmul peak {peak:.1f} GFLOP/s at {threads} thread(s), measured now")
     results = {mode: compare(vocab, repeats, greedy=mode == "greedy") for mode in ("sampling", "greedy")}
     for mode, c in results.items():

@@ -198,7 +198,7 @@ def main() -> None:
     # the peak is probed before every size and the best probe of the run is the roofline: on a shared
     # machine a probe taken while something else runs reads low, and a low roofline flatters everyone
     print(f"machine: {machine()}")
-    probes = [matmul_peak()]
+    probes = [matmul_peak(report=True)]
     print(f"fp32 matmul probe {probes[0]:.1f} GFLOP/s at {threads} thread(s); sizes {sizes}", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

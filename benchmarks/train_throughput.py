@@ -125,7 +125,7 @@ def main() -> None:
     repeats = 3 if args.quick else 7
     vocab = len(build_char_tokenizer())
     print(f"machine: {machine()}")
-    peak = matmul_peak()
+    peak = matmul_peak(report=True)
     ours, ref, flops = compare_train(SHAPE, vocab, b, t, mbs, repeats)
     tokens = b * t
     tps_ours, tps_ref = tokens / median(ours), tokens / median(ref)
