@@ -109,9 +109,11 @@ def _timed_steps(result: dict, side: str, max_new_tokens: int) -> list[float]:
     return result["step_times"][1:]
 
 
-def grpo_step_times(size: str, *, quick: bool, threads: int = 1, workdir: Path) -> dict:
+def grpo_step_times(
+    size: str, *, quick: bool, threads: int = 1, workdir: Path, cpu_matmul: str = "torch"
+) -> dict:
     """Time GRPO steps at sweep size `size` (module docstring), under `workdir`, every process with
-    `threads` intra-op threads. Returns:
+    `threads` intra-op threads, posttrain with `policy.model.cpu_matmul=cpu_matmul`. Returns:
 
     - `share_s`, `noshare_s`, `trl_s`: median seconds per step of posttrain with
       `policy.microbatch.share_prefix` on and off, and of TRL (over both TRL runs), first steps excluded;
@@ -139,7 +141,10 @@ def grpo_step_times(size: str, *, quick: bool, threads: int = 1, workdir: Path) 
     for i, (variant, share) in enumerate((("share", True), ("noshare", False))):
         ours = functools.partial(
             train_posttrain,
-            overrides={"policy": {"microbatch": {"share_prefix": share}}, "sampling": {"stop_at_eos": False}},
+            overrides={
+                "policy": {"microbatch": {"share_prefix": share}, "model": {"cpu_matmul": cpu_matmul}},
+                "sampling": {"stop_at_eos": False},
+            },
             save=False,
         )
         results = run_pair(
@@ -175,18 +180,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 x 2 completions of 16 tokens, 2 steps")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of every process")
     ap.add_argument("--workdir", default=None, help="keep the model and runs here (default: a temp dir)")
+    ap.add_argument(
+        "--cpu-matmul", choices=("torch", "onednn"), default="torch", help="posttrain's model.cpu_matmul"
+    )
     args = ap.parse_args()
     require("trl", "datasets")
     with tempfile.TemporaryDirectory() as tmp:
         r = grpo_step_times(
-            args.size, quick=args.quick, threads=args.threads, workdir=Path(args.workdir or tmp)
+            args.size,
+            quick=args.quick,
+            threads=args.threads,
+            workdir=Path(args.workdir or tmp),
+            cpu_matmul=args.cpu_matmul,
         )
     s = setting(args.quick)
     lo, hi = r["prompt_tokens"]
     print(
         f"size {args.size} ({r['params'] / 1e6:.1f}M params, vocab {_sizes.VOCAB}): "
         f"{s.prompts_per_step} prompts x {s.generations} generations, prompts {lo}-{hi} tokens, "
-        f"{r['completion_tokens']} new tokens, {s.steps} steps, {args.threads} thread(s) per process"
+        f"{r['completion_tokens']} new tokens, {s.steps} steps, {args.threads} thread(s) per process, "
+        f"posttrain model.cpu_matmul={args.cpu_matmul}"
     )
     print(
         f"seconds/step median: posttrain share_prefix {r['share_s']:.3f}  "

@@ -140,11 +140,17 @@ def compare(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     engine_cfg: dict | None = None,
+    cpu_matmul: str = "torch",
 ) -> Comparison:
     """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts, both
-    on `device` in `dtype`; `engine_cfg`: more GenerationConfig fields of the engine."""
+    on `device` in `dtype`; `engine_cfg`: more GenerationConfig fields of the engine; `cpu_matmul`: the
+    engine model's `model.cpu_matmul` (its prefill's GEMM; transformers keeps F.linear)."""
+    from posttrain.models.cpu_gemm import apply_cpu_matmul
+
     shape = shape or SHAPE
-    ours_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
+    ours_model = apply_cpu_matmul(
+        build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval(), cpu_matmul
+    )
     # same weights, untouched by the engine
     ref_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
     prompts = make_prompts(vocab, batch)

@@ -15,10 +15,13 @@ start of the run at the same thread count (benchmarks/_roofline.py). The results
 `sweep.json` and a plot `sweep.png` (speedups and fractions of the roofline vs size) in --out.
 
     python benchmarks/sweep.py [--quick] [--sizes 3m,20m,60m,150m] [--no-trl] [--no-train] [--out benchmarks]
-                               [--gen-batch 32]
+                               [--gen-batch 32] [--cpu-matmul torch|onednn]
 
 `--gen-batch` sets the sequences decoded together (default 32); results of any other batch carry a
-`_b<N>` suffix in their RESULT names, so they are never read as the default setting's.
+`_b<N>` suffix in their RESULT names, so they are never read as the default setting's. `--cpu-matmul
+onednn` runs posttrain's side with `model.cpu_matmul=onednn` (its linear layers on oneDNN's GEMM: the
+engine's prefill, the train step, GRPO; the references keep F.linear); its RESULT names end in
+`_onednn`.
 """
 
 from __future__ import annotations
@@ -64,14 +67,24 @@ def measure(
     workdir: Path,
     train: bool = True,
     gen_batch: int = GEN_BATCH,
+    cpu_matmul: str = "torch",
 ) -> dict:
     """Every comparison at one size (see the module docstring), with GFLOP/s where FLOPs are counted;
-    `fractions` turns them into fractions of the run's peak."""
+    `fractions` turns them into fractions of the run's peak. `cpu_matmul`: posttrain's
+    `model.cpu_matmul` on every side of posttrain (the references keep F.linear)."""
     out: dict = {"size": size, "params": params_of(size)}
     batch, new_tokens, repeats = (8, 16, 1) if quick else (gen_batch, 64, 3)
     out["gen_batch"] = batch
     for mode in ("sampling", "greedy"):
-        c = compare(VOCAB, repeats, shape(size), greedy=mode == "greedy", batch=batch, new_tokens=new_tokens)
+        c = compare(
+            VOCAB,
+            repeats,
+            shape(size),
+            greedy=mode == "greedy",
+            batch=batch,
+            new_tokens=new_tokens,
+            cpu_matmul=cpu_matmul,
+        )
         out[f"gen_{mode}"] = {
             "engine_tok_s": c.ours_tps,
             "hf_tok_s": c.ref_tps,
@@ -80,18 +93,20 @@ def measure(
             "hf_gflops": c.ref_gflops,
         }
     if train:
-        out["train"] = train_step(size, quick)
+        out["train"] = train_step(size, quick, cpu_matmul)
     if trl:
         from _grpo_at_size import grpo_step_times
 
-        out["grpo"] = grpo_step_times(size, quick=quick, threads=threads, workdir=workdir / f"grpo_{size}")
+        out["grpo"] = grpo_step_times(
+            size, quick=quick, threads=threads, workdir=workdir / f"grpo_{size}", cpu_matmul=cpu_matmul
+        )
     return out
 
 
-def train_step(size: str, quick: bool) -> dict:
+def train_step(size: str, quick: bool, cpu_matmul: str = "torch") -> dict:
     """`Policy.train` vs the hand-written loop at one size."""
     b, t, mbs, reps = (4, 64, 2, 1) if quick else (8, 256, 4, 3)
-    ours, ref, flops = compare_train(shape(size), VOCAB, b, t, mbs, reps)
+    ours, ref, flops = compare_train(shape(size), VOCAB, b, t, mbs, reps, cpu_matmul=cpu_matmul)
     return {
         "ours_s": median(ours),
         "ref_s": median(ref),
@@ -183,6 +198,12 @@ def main() -> None:
         "--gen-batch", type=int, default=GEN_BATCH, help="sequences decoded together (default 32)"
     )
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    ap.add_argument(
+        "--cpu-matmul",
+        choices=("torch", "onednn"),
+        default="torch",
+        help="posttrain's model.cpu_matmul (engine prefill, train step, GRPO); the references keep F.linear",
+    )
     args = ap.parse_args()
     sizes = args.sizes.split(",") if args.sizes else (["3m"] if args.quick else list(SIZES))
     unknown = [s for s in sizes if s not in SIZES]
@@ -199,12 +220,25 @@ def main() -> None:
     # machine a probe taken while something else runs reads low, and a low roofline flatters everyone
     print(f"machine: {machine()}")
     probes = [matmul_peak(report=True)]
-    print(f"fp32 matmul probe {probes[0]:.1f} GFLOP/s at {threads} thread(s); sizes {sizes}", flush=True)
+    print(
+        f"fp32 matmul probe {probes[0]:.1f} GFLOP/s at {threads} thread(s); sizes {sizes}; "
+        f"posttrain model.cpu_matmul={args.cpu_matmul}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             results.append(
-                measure(size, args.quick, trl, threads, Path(tmp), not args.no_train, args.gen_batch)
+                measure(
+                    size,
+                    args.quick,
+                    trl,
+                    threads,
+                    Path(tmp),
+                    not args.no_train,
+                    args.gen_batch,
+                    args.cpu_matmul,
+                )
             )
             probes.append(matmul_peak())
     peak = max(probes)
@@ -220,17 +254,18 @@ def main() -> None:
     print(f"wrote {out / 'sweep.json'} and {out / 'sweep.png'}")
     for r in results:
         s = r["size"] + ("" if r["gen_batch"] == GEN_BATCH or args.quick else f"_b{r['gen_batch']}")
+        gemm = "" if args.cpu_matmul == "torch" else f"_{args.cpu_matmul}"
+        s += gemm
         print(result_line(f"gen_speedup_vs_hf_{s}", r["gen_sampling"]["speedup"], ">=3"))
         print(result_line(f"gen_speedup_vs_hf_greedy_{s}", r["gen_greedy"]["speedup"], ">=1"))
         if r["params"] >= ROOFLINE_FROM:
             print(result_line(f"engine_decode_roofline_frac_{s}", r["gen_sampling"]["engine_frac"], ">=0.7"))
         if "train" in r:
-            print(result_line(f"train_vs_handwritten_{r['size']}", r["train"]["speedup"], ">=0.9"))
+            print(result_line(f"train_vs_handwritten_{r['size']}{gemm}", r["train"]["speedup"], ">=0.9"))
         if "grpo" in r:
-            print(result_line(f"grpo_speedup_vs_trl_{r['size']}", r["grpo"]["speedup_share"], ">=2"))
-            print(
-                result_line(f"grpo_speedup_vs_trl_noshare_{r['size']}", r["grpo"]["speedup_noshare"], ">=1.5")
-            )
+            print(result_line(f"grpo_speedup_vs_trl_{r['size']}{gemm}", r["grpo"]["speedup_share"], ">=2"))
+            noshare = r["grpo"]["speedup_noshare"]
+            print(result_line(f"grpo_speedup_vs_trl_noshare_{r['size']}{gemm}", noshare, ">=1.5"))
 
 
 if __name__ == "__main__":

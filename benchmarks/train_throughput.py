@@ -69,19 +69,27 @@ def handwritten_step(model, opt, batch, mbs: int, dtype: torch.dtype = torch.flo
 
 
 def compare_train(
-    shape: dict, vocab: int, b: int, t: int, mbs: int, repeats: int, precision: str = "float32"
+    shape: dict,
+    vocab: int,
+    b: int,
+    t: int,
+    mbs: int,
+    repeats: int,
+    precision: str = "float32",
+    cpu_matmul: str = "torch",
 ) -> tuple[list[float], list[float], int]:
     """Seconds per step of `Policy.train` and of the hand-written loop (interleaved repeats) on a model of
     `shape` with a `vocab`-token vocabulary, global batch b x t in micro-batches of `mbs` rows; and the
     model FLOPs of one step. Both run on the policy's device (a GPU when there is one) in `precision`
-    (fp32 weights, autocast to a lower one)."""
+    (fp32 weights, autocast to a lower one); `cpu_matmul`: the policy's `model.cpu_matmul` (the
+    hand-written loop keeps F.linear)."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(vocab, seed=0, **shape).save_pretrained(tmp)  # ids are random: any tokenizer
         build_char_tokenizer().save_pretrained(tmp)
         cfg = PolicyConfig.model_validate(
             {
-                "model": {"name": tmp},
+                "model": {"name": tmp, "cpu_matmul": cpu_matmul},
                 "train_global_batch_size": b,
                 "microbatch": {"train_micro_batch_size": mbs},
                 "optimizer": {"lr": 1e-4},

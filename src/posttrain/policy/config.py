@@ -31,6 +31,14 @@ class ModelConfig(Config):
         "decoder (AutoModelForSequenceClassification, num_labels=1): a reward model, or a critic. `name` "
         "is then a sequence-classification model, or a causal LM whose head is replaced by a new one",
     )
+    cpu_matmul: Literal["torch", "onednn"] = Field(
+        "torch",
+        description="GEMM of the linear layers for fp32 on the CPU (trainer and engine prefill; the "
+        "engine's decode projections always use oneDNN): torch = F.linear (MKL, bit-stable); onednn = "
+        "oneDNN's linear for the forward and both backward products, up to 2.2x the GFLOP/s of MKL on "
+        "AMD CPUs with AVX-512 (equal to fp32 rounding, not bit for bit). GPUs, bf16 and tensor-"
+        "parallel shards always use F.linear",
+    )
 
 
 class MicroBatchConfig(Config):

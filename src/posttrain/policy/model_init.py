@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from posttrain.models.cpu_gemm import apply_cpu_matmul
 from posttrain.models.families import attn_implementation, check_generation_support, check_trainable
 from posttrain.models.hf import (
     build_tiny_model,
@@ -59,7 +60,7 @@ def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
     if cfg.head != "lm":
         raise ValueError("an engine generates with a causal LM: policy.model.head must be 'lm', not 'score'")
     check_generation_support(model_config(cfg, tokenizer))  # before weights load
-    model = load_full_model(cfg, tokenizer)
+    model = apply_cpu_matmul(load_full_model(cfg, tokenizer), cfg.cpu_matmul)
     return add_lora(model, lora) if lora is not None and lora.engine == "adapters" else model
 
 
@@ -89,6 +90,7 @@ def build_policy_model(
     )  # before weights load
     if not dims.fsdp_enabled:
         model = _with_lora(load_full_model(cfg.model, tokenizer), cfg).to(device)
+        apply_cpu_matmul(model, cfg.model.cpu_matmul)
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     full = _with_lora(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
     config = full.config if full is not None else model_config(cfg.model, tokenizer)
@@ -96,6 +98,7 @@ def build_policy_model(
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation(config))
     _with_lora(model, cfg)
+    apply_cpu_matmul(model, cfg.model.cpu_matmul)
     parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     model.to_empty(device=dims.param_device(device))
     tie_lm_head(model)

@@ -1,0 +1,104 @@
+"""Linear layers on oneDNN's GEMM on the CPU (`model.cpu_matmul: onednn`).
+
+PyTorch's CPU wheels compute fp32 `F.linear` with MKL's SGEMM, which on AMD CPUs never takes its
+AVX-512 path: on a Zen 5 core it reaches ~107 GFLOP/s where oneDNN's linear (in the same wheel, the
+kernel the generation engine's packed projections use) reaches ~240 (benchmarks/RESULTS.md, "The
+roofline probe on a Zen 5 VM"). `use_onednn_linears(model)` makes every `nn.Linear` of a model run its
+forward and both backward products (input and weight gradients) on oneDNN's linear when the input and
+weight are fp32 CPU tensors outside autocast; anything else (a GPU, bf16, autocast, DTensor shards of
+tensor parallelism) takes `F.linear` as before. Same math, other rounding: results agree with
+`F.linear` to fp32 rounding, not bit for bit (tests/test_cpu_gemm.py), so it is opt-in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ONEDNN = "onednn"
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's linear op (CPU builds of the official wheels do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for 2-D `x` on oneDNN (strided operands are read in place)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """`F.linear` with the forward and both gradient products on oneDNN's GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(flat, weight)
+        ctx.has_bias = bias is not None
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _gemm(g, weight.t()).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_w = _gemm(g.t(), flat.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp32 CPU operands, plain tensors (not DTensor shards or other subclasses), no CPU autocast."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and type(x) is torch.Tensor
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on oneDNN's GEMM where `_takes_onednn` allows."""
+    if _takes_onednn(x, weight) and (bias is None or type(bias) in (torch.Tensor, nn.Parameter)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class OneDNNLinear(nn.Linear):
+    """An `nn.Linear` whose forward is `onednn_linear` (same parameters, state dict and repr)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Make every plain `nn.Linear` of `model` an `OneDNNLinear` in place (before any wrapping such as
+    FSDP2's, which subclasses a module's class); returns how many. Subclasses of `nn.Linear` with their
+    own forward are left alone. Raises when the build has no oneDNN linear."""
+    if not onednn_available():
+        raise RuntimeError(
+            "model.cpu_matmul=onednn needs a torch build with oneDNN (mkldnn); this one has none: "
+            "set model.cpu_matmul=torch"
+        )
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDNNLinear
+            count += 1
+    return count
+
+
+def apply_cpu_matmul(model: nn.Module, cpu_matmul: str) -> nn.Module:
+    """`model` with its linear layers on the CPU GEMM `cpu_matmul` names ("torch": unchanged)."""
+    if cpu_matmul == _ONEDNN:
+        use_onednn_linears(model)
+    return model

@@ -1,0 +1,111 @@
+"""`model.cpu_matmul=onednn`: linear layers on oneDNN's GEMM on the CPU. The forward and both gradient
+products must equal `F.linear`'s to fp32 rounding; anything the op does not cover (autocast, bf16,
+tensor subclasses such as DTensor shards) must take `F.linear`; a policy trained with it must follow
+the default one; and the engine's model gets it too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import random_batch
+from helpers import assert_params_close, params_of, policy_cfg
+from posttrain.algorithms.losses import ClippedPGLoss
+from posttrain.models import cpu_gemm
+from posttrain.models.cpu_gemm import OneDNNLinear, onednn_linear, use_onednn_linears
+from posttrain.models.hf import build_tiny_model
+from posttrain.policy.config import ModelConfig
+from posttrain.policy.model_init import build_tokenizer, engine_model
+from posttrain.policy.policy import Policy
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
+
+
+def _grads(fn, x, w, b):
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    b = None if b is None else b.clone().requires_grad_(True)
+    out = fn(x, w, b)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_both_gradients_match_f_linear(bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 24, generator=g), torch.randn(40, 24, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    ours, ref = _grads(onednn_linear, x, w, b), _grads(F.linear, x, w, b)
+    for name, a, r in zip(("out", "grad x", "grad w", "grad b"), ours, ref):
+        if r is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass standing in for DTensor shards."""
+
+
+def test_what_the_op_does_not_cover_takes_f_linear(monkeypatch):
+    calls = []
+    real = cpu_gemm._OneDNNLinear.apply
+    monkeypatch.setattr(cpu_gemm._OneDNNLinear, "apply", lambda *a: calls.append(1) or real(*a))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    onednn_linear(x, w)
+    assert calls == [1]  # fp32 CPU: oneDNN
+    with torch.autocast("cpu", torch.bfloat16):
+        assert onednn_linear(x, w).dtype == torch.bfloat16
+    onednn_linear(x.bfloat16(), w.bfloat16())
+    onednn_linear(x, torch.Tensor._make_subclass(_Sub, w))
+    assert calls == [1], "autocast, bf16 and tensor subclasses must run F.linear"
+
+
+def test_a_model_keeps_its_parameters_and_outputs():
+    model = build_tiny_model(64, seed=0)
+    ref = build_tiny_model(64, seed=0)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    assert use_onednn_linears(model) == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    after = model.state_dict()
+    assert {k: v.data_ptr() for k, v in after.items()} == before  # the same tensors, not copies
+    ids = torch.randint(4, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_without_onednn_the_error_names_the_fix(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    with pytest.raises(RuntimeError, match="model.cpu_matmul=torch"):
+        use_onednn_linears(build_tiny_model(64, seed=0))
+
+
+def _train(cpu_matmul: str):
+    policy = Policy(policy_cfg(model={"cpu_matmul": cpu_matmul}, microbatch={"share_prefix": False}))
+    try:
+        model = policy.group.workers[0].model
+        kinds = {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
+        metrics = [policy.train(random_batch(8, 16, rl=True, seed=s), ClippedPGLoss()) for s in (0, 1)]
+        return metrics, params_of(policy), kinds
+    finally:
+        policy.shutdown()
+
+
+def test_a_policy_trains_as_with_f_linear():
+    ours, ours_params, ours_kinds = _train("onednn")
+    ref, ref_params, ref_kinds = _train("torch")
+    assert ref_kinds == {"Linear"}
+    assert all("OneDNNLinear" in k for k in ours_kinds), ours_kinds  # FSDP2 may subclass it
+    for a, b in zip(ours, ref):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    assert_params_close(ours_params, ref_params, rtol=1e-4, atol=1e-5)
+
+
+def test_the_engine_model_uses_it():
+    cfg = ModelConfig(cpu_matmul="onednn")
+    model = engine_model(cfg, None, build_tokenizer(cfg))
+    assert any(type(m) is OneDNNLinear for m in model.modules())
+    assert not any(type(m) is nn.Linear for m in model.modules())
