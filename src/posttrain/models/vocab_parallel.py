@@ -38,6 +38,28 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _LocalLogprobs(torch.autograd.Function):
+    """`logits.gather(targets) - logsumexp(logits)` over a whole (unsharded) vocabulary, with one fused
+    backward: `exp(logits - lse) * -g`, then `g` added at each target. Autograd's own backward of the
+    two ops builds a zero [.., V] buffer for the gather, scatters into it and adds it to the
+    logsumexp's gradient (two more passes over the logits' size); this gives the same values bit for
+    bit (the same products and sums, in a commutative order; tests/test_vocab_parallel.py)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        index = targets.unsqueeze(-1)
+        ctx.save_for_backward(logits, index, lse)
+        return torch.gather(logits, -1, index).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, index, lse = ctx.saved_tensors
+        g = grad.unsqueeze(-1)
+        out = (logits - lse.unsqueeze(-1)).exp_().mul_(-g)
+        return out.scatter_add_(-1, index, g), None
+
+
 @dataclass
 class VocabShard:
     """The slice [lo, lo + size) of the vocabulary this rank's logits cover, and the group holding the rest."""
@@ -95,6 +117,8 @@ class VocabShard:
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """logprob of `targets[..., i]` under this rank's `logits[..., i, :]`, in fp32."""
         logits = logits.float()
+        if self.group is None:
+            return _LocalLogprobs.apply(logits, targets)
         return self.pick(logits, targets) - self.logsumexp(logits)
 
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
