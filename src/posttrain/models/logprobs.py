@@ -276,11 +276,18 @@ def microbatch_logprobs(
     logits, shard = VocabShard.of(model_logits(model, mb))
     logits = _scaled(logits, temperature)
     if mb.packed is not None:
-        row = mb.packed.input_ids
-        out = _unpack_sequences(mb, _shifted(shard.logprobs(logits[:, :-1], row[:, 1:]))[0], t)
+        out = _unpack_sequences(mb, _shifted(_next_token_logprobs(shard, logits, mb.packed.input_ids))[0], t)
     else:
-        out = _shifted(shard.logprobs(logits[:, :-1], ids[:, 1:]))
+        out = _shifted(_next_token_logprobs(shard, logits, ids))
     return out * valid
+
+
+def _next_token_logprobs(shard: VocabShard, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[b, t-1]: the logprob of `ids[:, i+1]` under `logits[:, i]`. Scored at every position (the
+    last against a dummy target) and cut after: cutting the [b, t, V] logits first would make the
+    backward zero-fill a buffer of their size and copy the gradient into it; the dropped position's
+    gradient is exactly zero either way."""
+    return shard.logprobs(logits, torch.nn.functional.pad(ids[:, 1:], (0, 1)))[:, :-1]
 
 
 def _unpack_sequences(mb: MicroBatch, lp: torch.Tensor, t: int) -> torch.Tensor:
