@@ -109,3 +109,15 @@ def test_the_engine_model_uses_it():
     model = engine_model(cfg, None, build_tokenizer(cfg))
     assert any(type(m) is OneDNNLinear for m in model.modules())
     assert not any(type(m) is nn.Linear for m in model.modules())
+
+
+def test_broadcast_gradients_and_strided_inputs():
+    """`.sum().backward()` hands the backward a stride-0 gradient; a transposed input is strided."""
+    g = torch.Generator().manual_seed(2)
+    base, w = torch.randn(8, 4, generator=g), torch.randn(6, 8, generator=g)
+    grads = []
+    for fn in (onednn_linear, F.linear):
+        x = base.clone().requires_grad_(True)
+        fn(x.t(), w)[:, :3].sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
