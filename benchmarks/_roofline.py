@@ -53,9 +53,14 @@ def matmul_peak(
     for about `seconds`); `report`: print each GEMM's best."""
     peaks = kernel_peaks(dtype, sizes, seconds)
     if report:
-        each = ", ".join(f"{name} {gf:.0f}" for name, gf in peaks.items())
-        print(f"matmul probe ({dtype}, {torch.get_num_threads()} thread(s)), GFLOP/s: {each}", flush=True)
+        print(describe(peaks, dtype), flush=True)
     return max(peaks.values())
+
+
+def describe(peaks: dict, dtype: torch.dtype = torch.float32) -> str:
+    """One line with each GEMM's best GFLOP/s (`kernel_peaks`' result)."""
+    each = ", ".join(f"{name} {gf:.0f}" for name, gf in peaks.items())
+    return f"matmul probe ({dtype}, {torch.get_num_threads()} thread(s)), GFLOP/s: {each}"
 
 
 def kernel_peaks(dtype: torch.dtype = torch.float32, sizes=(1024, 2048), seconds: float = 0.5) -> dict:

@@ -12,7 +12,8 @@ embeddings), in one run:
 
 Each speed is also reported as model FLOP/s and its fraction of the fp32 matmul peak measured at the
 start of the run at the same thread count (benchmarks/_roofline.py). The results go to
-`sweep.json` and a plot `sweep.png` (speedups and fractions of the roofline vs size) in --out.
+`sweep.json` and a plot `sweep.png` (speedups and fractions of the roofline vs size) in --out
+(`sweep_onednn.*` with `--cpu-matmul onednn`).
 
     python benchmarks/sweep.py [--quick] [--sizes 3m,20m,60m,150m] [--no-trl] [--no-train] [--out benchmarks]
                                [--gen-batch 32] [--cpu-matmul torch|onednn]
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, require, result_line, run_main  # noqa: E402
-from _roofline import gflops, machine, matmul_peak  # noqa: E402
+from _roofline import describe, gflops, kernel_peaks, machine, matmul_peak  # noqa: E402
 from _sizes import SIZES, VOCAB, shape  # noqa: E402
 from generation import compare  # noqa: E402
 from train_throughput import compare_train  # noqa: E402
@@ -219,7 +220,9 @@ def main() -> None:
     # the peak is probed before every size and the best probe of the run is the roofline: on a shared
     # machine a probe taken while something else runs reads low, and a low roofline flatters everyone
     print(f"machine: {machine()}")
-    probes = [matmul_peak(report=True)]
+    kernels = kernel_peaks()
+    print(describe(kernels), flush=True)
+    probes = [max(kernels.values())]
     print(
         f"fp32 matmul probe {probes[0]:.1f} GFLOP/s at {threads} thread(s); sizes {sizes}; "
         f"posttrain model.cpu_matmul={args.cpu_matmul}",
@@ -247,11 +250,20 @@ def main() -> None:
         fractions(r, peak)
         report(r)
     out = Path(args.out)
-    (out / "sweep.json").write_text(
-        json.dumps({"peak_gflops": peak, "probes": probes, "threads": threads, "results": results}, indent=1)
-    )
-    plot(results, out / "sweep.png")
-    print(f"wrote {out / 'sweep.json'} and {out / 'sweep.png'}")
+    # a run of another GEMM writes beside the default run's files, not over them
+    stem = "sweep" if args.cpu_matmul == "torch" else f"sweep_{args.cpu_matmul}"
+    record = {
+        "peak_gflops": peak,
+        "probes": probes,
+        "first_probe_by_kernel": kernels,
+        "threads": threads,
+        "cpu_matmul": args.cpu_matmul,
+        "machine": machine(),
+        "results": results,
+    }
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
+    plot(results, out / f"{stem}.png")
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
     for r in results:
         s = r["size"] + ("" if r["gen_batch"] == GEN_BATCH or args.quick else f"_b{r['gen_batch']}")
         gemm = "" if args.cpu_matmul == "torch" else f"_{args.cpu_matmul}"

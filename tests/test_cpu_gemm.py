@@ -118,6 +118,22 @@ def test_broadcast_gradients_and_strided_inputs():
     grads = []
     for fn in (onednn_linear, F.linear):
         x = base.clone().requires_grad_(True)
+        fn(x.t(), w).sum().backward()  # the gradient reaching the linear has strides (0, 0)
         fn(x.t(), w)[:, :3].sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_and_one_dimensional_inputs():
+    w, b = torch.randn(6, 8), torch.randn(6)
+    for x in (torch.randn(0, 8), torch.randn(2, 0, 8), torch.randn(8)):
+        torch.testing.assert_close(onednn_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_a_frozen_weight_keeps_only_what_its_backward_needs():
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8)  # w frozen, as a LoRA base layer's
+    out = onednn_linear(x, w)
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    assert len(saved) == 1 and saved[0].shape == w.shape  # the weight, not the input
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 _ONEDNN = "onednn"
 
@@ -35,18 +36,23 @@ class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(flat, weight)
+        # as F.linear: the input only for the weight's gradient, the weight only for the input's
+        ctx.save_for_backward(
+            flat if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
+        )
         ctx.has_bias = bias is not None
+        ctx.in_features = weight.shape[1]
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         flat, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _gemm(g, weight.t()).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = _gemm(g, weight.t()).view(*grad.shape[:-1], ctx.in_features)
         if ctx.needs_input_grad[1]:
             grad_w = _gemm(g.t(), flat.t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -55,9 +61,11 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """fp32 CPU operands, plain tensors (not DTensor shards or other subclasses), no CPU autocast."""
+    """Non-empty fp32 CPU operands, plain tensors (not DTensor shards or other subclasses), no CPU
+    autocast."""
     return (
-        x.device.type == "cpu"
+        x.numel() > 0
+        and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and type(weight) in (torch.Tensor, nn.Parameter)

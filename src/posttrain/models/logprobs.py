@@ -286,7 +286,7 @@ def _next_token_logprobs(shard: VocabShard, logits: torch.Tensor, ids: torch.Ten
     """[b, t-1]: the logprob of `ids[:, i+1]` under `logits[:, i]`. Scored at every position (the
     last against a dummy target) and cut after: cutting the [b, t, V] logits first would make the
     backward zero-fill a buffer of their size and copy the gradient into it; the dropped position's
-    gradient is exactly zero either way."""
+    gradient is zero either way (here possibly -0.0)."""
     return shard.logprobs(logits, torch.nn.functional.pad(ids[:, 1:], (0, 1)))[:, :-1]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -43,7 +44,9 @@ class _LocalLogprobs(torch.autograd.Function):
     backward: `exp(logits - lse) * -g`, then `g` added at each target. Autograd's own backward of the
     two ops builds a zero [.., V] buffer for the gather, scatters into it and adds it to the
     logsumexp's gradient (two more passes over the logits' size); this gives the same values bit for
-    bit (the same products and sums, in a commutative order; tests/test_vocab_parallel.py)."""
+    bit (the same products and sums, in a commutative order), except that a zero entry may be -0.0
+    where autograd's is +0.0, which changes no sum (tests/test_vocab_parallel.py; the golden runs
+    stay bit-identical). Not twice differentiable (its backward works in place)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,7 @@ class _LocalLogprobs(torch.autograd.Function):
         return torch.gather(logits, -1, index).squeeze(-1) - lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         logits, index, lse = ctx.saved_tensors
         g = grad.unsqueeze(-1)

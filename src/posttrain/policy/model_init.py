@@ -60,8 +60,10 @@ def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
     if cfg.head != "lm":
         raise ValueError("an engine generates with a causal LM: policy.model.head must be 'lm', not 'score'")
     check_generation_support(model_config(cfg, tokenizer))  # before weights load
-    model = apply_cpu_matmul(load_full_model(cfg, tokenizer), cfg.cpu_matmul)
-    return add_lora(model, lora) if lora is not None and lora.engine == "adapters" else model
+    model = load_full_model(cfg, tokenizer)
+    if lora is not None and lora.engine == "adapters":
+        model = add_lora(model, lora)
+    return apply_cpu_matmul(model, cfg.cpu_matmul)  # after LoRA: its adapters' layers too, as the trainer's
 
 
 def model_config(cfg: ModelConfig, tokenizer=None):
