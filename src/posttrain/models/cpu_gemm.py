@@ -43,7 +43,9 @@ class _OneDNNLinear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.in_features = weight.shape[1]
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        # not a view of `out`, as F.linear's output is not (a module returning a view would have FSDP2
+        # warn that an in-place op on it skips its pre-backward hook)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     @once_differentiable
