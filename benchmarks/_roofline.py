@@ -84,19 +84,16 @@ def matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Callables computing `a @ b` with each GEMM available for these tensors: `torch.mm` always; on
     the CPU in fp32 also oneDNN's linear on `b` as a weight, plain and packed (where this build has
     oneDNN)."""
+    from posttrain.models.cpu_gemm import mkldnn_linear, onednn_available
+
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     kernels = {"torch.mm": lambda: torch.mm(a, b, out=out)}
-    if a.device.type != "cpu" or a.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if a.device.type != "cpu" or a.dtype != torch.float32 or not onednn_available():
         return kernels
-    linear = torch.ops.mkldnn._linear_pointwise
     weight = b.t().contiguous()  # linear computes a @ weight^T
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, a.shape[0])
-        linear(a, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):  # a build without these oneDNN ops
-        return kernels
-    kernels["onednn linear"] = lambda: linear(a, weight, None, "none", [], "")
-    kernels["onednn packed linear"] = lambda: linear(a, packed, None, "none", [], "")
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, a.shape[0])
+    kernels["onednn linear"] = lambda: mkldnn_linear(a, weight)
+    kernels["onednn packed linear"] = lambda: mkldnn_linear(a, packed)
     return kernels
 
 

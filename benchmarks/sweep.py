@@ -219,7 +219,8 @@ def main() -> None:
     threads = torch.get_num_threads()
     # the peak is probed before every size and the best probe of the run is the roofline: on a shared
     # machine a probe taken while something else runs reads low, and a low roofline flatters everyone
-    print(f"machine: {machine()}")
+    host = machine()
+    print(f"machine: {host}")
     kernels = kernel_peaks()
     print(describe(kernels), flush=True)
     probes = [max(kernels.values())]
@@ -250,24 +251,23 @@ def main() -> None:
         fractions(r, peak)
         report(r)
     out = Path(args.out)
-    # a run of another GEMM writes beside the default run's files, not over them
-    stem = "sweep" if args.cpu_matmul == "torch" else f"sweep_{args.cpu_matmul}"
+    gemm = "" if args.cpu_matmul == "torch" else f"_{args.cpu_matmul}"
+    stem = f"sweep{gemm}"  # a run of another GEMM writes beside the default run's files, not over them
     record = {
         "peak_gflops": peak,
         "probes": probes,
         "first_probe_by_kernel": kernels,
         "threads": threads,
         "cpu_matmul": args.cpu_matmul,
-        "machine": machine(),
+        "machine": host,
         "results": results,
     }
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     plot(results, out / f"{stem}.png")
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
     for r in results:
-        s = r["size"] + ("" if r["gen_batch"] == GEN_BATCH or args.quick else f"_b{r['gen_batch']}")
-        gemm = "" if args.cpu_matmul == "torch" else f"_{args.cpu_matmul}"
-        s += gemm
+        batch = "" if r["gen_batch"] == GEN_BATCH or args.quick else f"_b{r['gen_batch']}"
+        s = r["size"] + batch + gemm
         print(result_line(f"gen_speedup_vs_hf_{s}", r["gen_sampling"]["speedup"], ">=3"))
         print(result_line(f"gen_speedup_vs_hf_greedy_{s}", r["gen_greedy"]["speedup"], ">=1"))
         if r["params"] >= ROOFLINE_FROM:

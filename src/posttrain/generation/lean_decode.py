@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.generation.kv_cache import SlotKVCache
-from posttrain.generation.lm_head import PackedWeights, packed_linear
+from posttrain.generation.lm_head import PackedWeights
 from posttrain.generation.windows import layer_windows
+from posttrain.models.cpu_gemm import mkldnn_linear
 
 _FAMILIES = ("llama", "qwen2", "mistral")
 PACK_MIN_NUMEL = 1 << 16  # projections with fewer weights run as plain F.linear (packing gains little)
@@ -45,7 +46,7 @@ def _linear(x: torch.Tensor, mod, packs: PackedWeights | None = None) -> torch.T
     layer = mod if base is None else base
     packed = packs.get(layer.weight, PACK_MIN_NUMEL) if packs is not None else None
     if packed is not None:
-        out = packed_linear(x, packed, layer.bias)
+        out = mkldnn_linear(x, packed, layer.bias)
     else:
         out = F.linear(x, layer.weight, layer.bias)
     if base is None or mod.disable_adapters:
@@ -197,7 +198,7 @@ class LeanDecoder:
         norm1, norm2 = self.layers[i][0], self.layers[i][5]
         linear = torch.ops.mkldnn._linear_pointwise
         n, heads, kv_heads, head_dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = packed_linear(_rms_norm(h, norm1), qkv_w, qkv_b)
+        qkv = mkldnn_linear(_rms_norm(h, norm1), qkv_w, qkv_b)
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
         qk = _rotate(qk, cos, sin)
         v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)

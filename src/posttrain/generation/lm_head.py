@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.logging import get_logger
+from posttrain.models.cpu_gemm import mkldnn_linear, onednn_available
 from posttrain.models.logprobs import token_logprobs
 
 log = get_logger(__name__)
@@ -52,7 +53,7 @@ class PackedWeights:
         self.max_rows = max_rows
         self._packs: dict[tuple, torch.Tensor] = {}  # ((storage pointer, shape), ...) -> packed copy
         self._joined: dict[tuple, torch.Tensor] = {}  # the same keys of biases -> their concatenation
-        self.failed = not torch.backends.mkldnn.is_available()
+        self.failed = not onednn_available()
 
     def __len__(self) -> int:
         return len(self._packs)
@@ -94,11 +95,6 @@ class PackedWeights:
         self._joined.clear()
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` from the weight's packed copy (`PackedWeights.get`)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class LMHead:
     """A model's output embedding applied to hidden states [n, H] -> logits [n, V].
 
@@ -119,7 +115,7 @@ class LMHead:
             return torch.nn.functional.linear(hidden, weight)
         packed = None if shared else self.packs.get(weight, _PACK_MIN_NUMEL)
         if packed is not None:
-            return packed_linear(hidden, packed)
+            return mkldnn_linear(hidden, packed)
         out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=hidden.device)
         for start in range(0, weight.shape[0], _HEAD_CHUNK):
             end = start + _HEAD_CHUNK

@@ -25,9 +25,10 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for 2-D `x` on oneDNN (strided operands are read in place)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+def mkldnn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for 2-D `x` on oneDNN's GEMM: `weight` plain (strided operands are
+    read in place) or packed by `torch.ops.mkldnn._reorder_linear_weight` (generation/lm_head.py)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -42,7 +43,7 @@ class _OneDNNLinear(torch.autograd.Function):
         )
         ctx.has_bias = bias is not None
         ctx.in_features = weight.shape[1]
-        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+        out = mkldnn_linear(flat, weight, bias)
         # not a view of `out`, as F.linear's output is not (a module returning a view would have FSDP2
         # warn that an in-place op on it skips its pre-backward hook)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
@@ -54,31 +55,36 @@ class _OneDNNLinear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _gemm(g, weight.t()).view(*grad.shape[:-1], ctx.in_features)
+            grad_x = mkldnn_linear(g, weight.t()).view(*grad.shape[:-1], ctx.in_features)
         if ctx.needs_input_grad[1]:
-            grad_w = _gemm(g.t(), flat.t())
+            grad_w = mkldnn_linear(g.t(), flat.t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b
 
 
-def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Non-empty fp32 CPU operands, plain tensors (not DTensor shards or other subclasses), no CPU
-    autocast."""
+def _plain(t: torch.Tensor | None) -> bool:
+    """A plain tensor or parameter (not a DTensor shard or another subclass); None counts as plain."""
+    return t is None or type(t) in (torch.Tensor, nn.Parameter)
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Non-empty fp32 CPU operands, plain tensors (`_plain`), no CPU autocast."""
     return (
         x.numel() > 0
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and type(weight) in (torch.Tensor, nn.Parameter)
         and type(x) is torch.Tensor
+        and _plain(weight)
+        and _plain(bias)
         and not torch.is_autocast_enabled("cpu")
     )
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on oneDNN's GEMM where `_takes_onednn` allows."""
-    if _takes_onednn(x, weight) and (bias is None or type(bias) in (torch.Tensor, nn.Parameter)):
+    if _takes_onednn(x, weight, bias):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -91,16 +91,14 @@ def build_policy_model(
         model_config(cfg.model, tokenizer), dims.tp_enabled, dims.cp_enabled
     )  # before weights load
     if not dims.fsdp_enabled:
-        model = _with_lora(load_full_model(cfg.model, tokenizer), cfg).to(device)
-        apply_cpu_matmul(model, cfg.model.cpu_matmul)
+        model = _with_layers(load_full_model(cfg.model, tokenizer), cfg).to(device)
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
-    full = _with_lora(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
+    full = _with_layers(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
     config = full.config if full is not None else model_config(cfg.model, tokenizer)
     auto = AutoModelForSequenceClassification if cfg.model.head == "score" else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation(config))
-    _with_lora(model, cfg)
-    apply_cpu_matmul(model, cfg.model.cpu_matmul)
+    _with_layers(model, cfg)
     parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     model.to_empty(device=dims.param_device(device))
     tie_lm_head(model)
@@ -108,15 +106,17 @@ def build_policy_model(
     return model
 
 
-def _with_lora(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
-    """`cfg.lora`'s adapters; a score head (often new) trains in full next to them, never adapted."""
-    if cfg.lora is None:
-        return model
-    if cfg.model.head == "lm":
-        return add_lora(model, cfg.lora)
-    add_lora(model, cfg.lora, exclude=("score",))
-    model.score.weight.requires_grad_(True)
-    return model
+def _with_layers(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
+    """`model` with the layers the policy trains through: `cfg.lora`'s adapters (a score head, often
+    new, trains in full next to them, never adapted), then every linear layer on the GEMM of
+    `model.cpu_matmul` (before parallelizing: FSDP2 subclasses the modules' classes)."""
+    if cfg.lora is not None:
+        if cfg.model.head == "lm":
+            add_lora(model, cfg.lora)
+        else:
+            add_lora(model, cfg.lora, exclude=("score",))
+            model.score.weight.requires_grad_(True)
+    return apply_cpu_matmul(model, cfg.model.cpu_matmul)
 
 
 def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:
