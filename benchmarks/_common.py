@@ -211,8 +211,20 @@ def watchdog(procs: Mapping[str, BaseProcess], poll_s: float = 0.5) -> Iterator[
         thread.join()
 
 
+def same_host_memory() -> str | None:
+    """Put this process on posttrain's host-memory policy (posttrain/host_memory.py: freed memory is kept
+    for reuse, unless POSTTRAIN_HOST_MALLOC=release). posttrain's CPU workers and engines apply it to
+    their process, so every benchmark process applies it before any side runs, the references' included:
+    no ratio credits posttrain with the allocator. Returns the mode (None: not glibc)."""
+    from posttrain.host_memory import keep_freed_memory
+
+    return keep_freed_memory()
+
+
 def run_main(main: Callable[[], None]) -> None:
-    """Run a benchmark's `main`; a dead child ends it with status 1 and one line naming the child."""
+    """Run a benchmark's `main` (in this process's `same_host_memory`); a dead child ends it with
+    status 1 and one line naming the child."""
+    same_host_memory()
     try:
         main()
     except ChildDied as e:

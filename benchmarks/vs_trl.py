@@ -45,7 +45,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import ChildDied, median, require, result_line, run_main, start, wait_for, watch  # noqa: E402
+from _common import (  # noqa: E402
+    ChildDied,
+    median,
+    require,
+    result_line,
+    run_main,
+    same_host_memory,
+    start,
+    wait_for,
+    watch,
+)
 
 TINY = {"family": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 # the demo's task: a + b for a, b in 0..19 (400 problems, 80 held out), where GRPO measurably helps
@@ -419,6 +429,7 @@ def _side_main(
     import torch
 
     torch.set_num_threads(threads)
+    same_host_memory()  # both sides' processes, as posttrain's workers set their own
     t0 = time.perf_counter()
     gate.me = SIDES.index(side)
     result = (train or _trainer(kind, side))(s, init, out, seed, gate)

@@ -27,6 +27,7 @@ LAYERS = [
         "tokenizer_files",
         "rng_state",
         "dtypes",
+        "host_memory",
         "logging",
         "__init__",
     ),

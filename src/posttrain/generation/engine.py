@@ -60,6 +60,7 @@ from posttrain.generation.sessions import EngineSessions, PrefillBudget, prefill
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
 from posttrain.generation.windows import WindowMasks, check_supported, prepare_attention
+from posttrain.host_memory import keep_freed_memory
 from posttrain.models.families import check_generation_support
 from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
@@ -89,6 +90,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         check_generation_support(model.config)  # the support table: a clear refusal before any work
         first = next(model.parameters())
         self.device = torch.device(self.cfg.device) if self.cfg.device else first.device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step's logits and scores reuse freed memory (host_memory.py)
         self.dtype = first.dtype if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         config = model.config

@@ -34,6 +34,7 @@ from posttrain.data.microbatch import (
 )
 from posttrain.data.normalization import LossFn, loss_normalizer
 from posttrain.dtypes import DTYPES
+from posttrain.host_memory import keep_freed_memory
 from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
@@ -83,6 +84,8 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self._comms_snapshot: comms.CommsSnapshot | None = None
         self.dims.init_process_group(rank, master_addr, master_port)
         self.device = pmesh.default_device()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the step's large tensors reuse freed memory (host_memory.py)
         self.dtype = DTYPES[cfg.precision]
         self.tokenizer = build_tokenizer(cfg.model)
         self._pad_id = pad_token_id(self.tokenizer)
