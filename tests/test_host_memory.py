@@ -68,3 +68,36 @@ def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.setattr(host_memory, "_glibc_mallopt", lambda: None)
     assert host_memory.keep_freed_memory() is None
     assert host_memory._applied is None
+
+
+# a fresh process builds one CPU object of posttrain's and reports the mode before and after
+WIRING = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from posttrain import host_memory
+before = host_memory._applied
+if sys.argv[1] == "engine":
+    from posttrain.generation.engine import GenerationEngine
+    from posttrain.models.hf import build_tiny_model
+    GenerationEngine(build_tiny_model(32))
+else:
+    from helpers import policy_cfg
+    from posttrain.policy.policy import Policy
+    Policy(policy_cfg())
+print(json.dumps({{"before": before, "after": host_memory._applied}}))
+"""
+
+
+@glibc
+@pytest.mark.parametrize("what", ["engine", "policy"])
+@pytest.mark.parametrize("mode", [None, "release"])
+def test_cpu_engines_and_policy_workers_apply_the_setting(what, mode):
+    env = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
+    if mode is not None:
+        env[host_memory.ENV] = mode
+    code = WIRING.format(tests=os.path.dirname(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", code, what], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"before": None, "after": mode or "keep"}

@@ -22,6 +22,7 @@ libraries (macOS, musl) are left as they are.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -49,14 +50,18 @@ def requested_mode() -> str:
     return mode
 
 
+@functools.cache
 def _glibc_mallopt():
-    """glibc's `mallopt`, or None on another C library."""
+    """glibc's `mallopt`, or None on another C library (looked up once: `libc_ver` reads the
+    interpreter's binary)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL("libc.so.6").mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
 
 
 def keep_freed_memory() -> str | None:
@@ -70,7 +75,6 @@ def keep_freed_memory() -> str | None:
     if mallopt is None:
         return None
     if mode == "keep":
-        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
             log.warning("mallopt refused the host-memory settings; freed memory goes back to the kernel")
             mode = "release"
