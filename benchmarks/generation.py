@@ -144,7 +144,7 @@ def compare(
 ) -> Comparison:
     """The engine vs transformers generate on the same model (`shape`, default SHAPE) and prompts, both
     on `device` in `dtype`; `engine_cfg`: more GenerationConfig fields of the engine; `cpu_matmul`: the
-    engine model's `model.cpu_matmul` (its prefill's GEMM; transformers keeps F.linear)."""
+    engine model's `model.cpu_matmul` (its smaller prefill layers' GEMM; transformers keeps F.linear)."""
     from posttrain.models.cpu_gemm import apply_cpu_matmul
 
     shape = shape or SHAPE

@@ -21,7 +21,8 @@ start of the run at the same thread count (benchmarks/_roofline.py). The results
 `--gen-batch` sets the sequences decoded together (default 32); results of any other batch carry a
 `_b<N>` suffix in their RESULT names, so they are never read as the default setting's. `--cpu-matmul
 onednn` runs posttrain's side with `model.cpu_matmul=onednn` (its linear layers on oneDNN's GEMM: the
-engine's prefill, the train step, GRPO; the references keep F.linear); its RESULT names end in
+train step, GRPO's trainer, the engine's smaller layers; the engine's decode and its prefill's layers
+of >= 65536 weights run on oneDNN in both settings; the references keep F.linear); its RESULT names end in
 `_onednn`.
 """
 
@@ -203,7 +204,7 @@ def main() -> None:
         "--cpu-matmul",
         choices=("torch", "onednn"),
         default="torch",
-        help="posttrain's model.cpu_matmul (engine prefill, train step, GRPO); the references keep F.linear",
+        help="posttrain's model.cpu_matmul (train step, GRPO's trainer); the references keep F.linear",
     )
     args = ap.parse_args()
     sizes = args.sizes.split(",") if args.sizes else (["3m"] if args.quick else list(SIZES))

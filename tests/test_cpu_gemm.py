@@ -154,3 +154,55 @@ def test_a_frozen_weight_keeps_only_what_its_backward_needs():
     assert len(saved) == 1 and saved[0].shape == w.shape  # the weight, not the input
     out.sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))
+
+
+# ------------------------------------------------------------------ inference linears (engine prefill)
+
+
+def counting_gemm(monkeypatch) -> list[tuple]:
+    """Record the weight shape of every oneDNN GEMM call made through cpu_gemm.mkldnn_linear."""
+    calls: list[tuple] = []
+    real = cpu_gemm.mkldnn_linear
+
+    def counted(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_gemm, "mkldnn_linear", counted)
+    return calls
+
+
+def test_inference_linears_route_large_fp32_linears_only(monkeypatch):
+    calls = counting_gemm(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 256)
+    big, bias = torch.randn(300, 256), torch.randn(300)
+    small = torch.randn(100, 256)  # 25600 weights, under the floor
+    with cpu_gemm.OneDNNInferenceLinears(65536):
+        out = F.linear(x, big, bias)
+        assert calls == [(300, 256)]
+        F.linear(x, small)
+        F.linear(x.bfloat16(), big.bfloat16())
+        F.linear(x, big.clone().requires_grad_())  # a trainable weight keeps autograd's F.linear
+        F.linear(input=x, weight=big)
+    assert calls == [(300, 256), (300, 256)]
+    assert out.shape == (2, 7, 300)
+    torch.testing.assert_close(out, F.linear(x, big, bias), rtol=1e-5, atol=1e-5)
+    F.linear(x, big)  # outside the mode: F.linear
+    assert len(calls) == 2
+
+
+def test_engine_prefill_runs_large_linears_on_onednn_and_equals_generate(monkeypatch):
+    from posttrain.generation.engine import GenerationEngine
+    from posttrain.generation.params import GenerationConfig, SamplingParams
+    from test_generation import TOK, VOCAB, hf_greedy, prompts_of
+
+    # hidden 256: q/o 65536 weights, gate/up/down 131072, at the prefill floor (lean_decode.PACK_MIN_NUMEL)
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
+    prompts = prompts_of([5, 1, 12, 3, 9, 7, 2, 11])
+    reference = build_tiny_model(VOCAB, seed=3, **shape).eval()
+    engine = GenerationEngine(build_tiny_model(VOCAB, seed=3, **shape), TOK, GenerationConfig(max_num_seqs=3))
+    calls = counting_gemm(monkeypatch)
+    results = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=20))
+    assert (256, 256) in calls and (512, 256) in calls and (256, 512) in calls  # q/o, gate/up, down
+    assert [r.token_ids for r in results] == hf_greedy(reference, prompts, 20, eos=TOK.eos_token_id)

@@ -50,7 +50,7 @@ import torch
 from posttrain.dtypes import DTYPES
 from posttrain.generation.graphs import DecodeGraphs
 from posttrain.generation.kv_cache import SlotKVCache
-from posttrain.generation.lean_decode import LeanDecoder
+from posttrain.generation.lean_decode import PACK_MIN_NUMEL, LeanDecoder
 from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
 from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, stop_ids
@@ -61,6 +61,7 @@ from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
 from posttrain.generation.windows import WindowMasks, check_supported, prepare_attention
 from posttrain.host_memory import keep_freed_memory
+from posttrain.models.cpu_gemm import OneDNNInferenceLinears, onednn_available
 from posttrain.models.families import check_generation_support
 from posttrain.models.hf import with_cache
 from posttrain.models.lora import has_lora
@@ -94,6 +95,9 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             keep_freed_memory()  # each step's logits and scores reuse freed memory (host_memory.py)
         self.dtype = first.dtype if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self._onednn_prefill = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available()
+        )
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_len = int(self.cfg.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN))
@@ -451,7 +455,15 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         return self._record(n0, tokens, logprobs)
 
     def _forward_at(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
-        """Logits [b, V] at position `last[i]` of each row, computing the LM head only there."""
+        """Logits [b, V] at position `last[i]` of each row, computing the LM head only there. On an fp32
+        CPU model its linear layers of at least PACK_MIN_NUMEL weights run on oneDNN's GEMM, as the
+        decode step's packed ones do (MKL's SGEMM, F.linear's, takes no AVX-512 path on AMD CPUs)."""
+        if self._onednn_prefill:
+            with OneDNNInferenceLinears(PACK_MIN_NUMEL):
+                return self._forward_at_rows(ids, position_ids, mask, last)
+        return self._forward_at_rows(ids, position_ids, mask, last)
+
+    def _forward_at_rows(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
         rows = torch.arange(ids.shape[0], device=ids.device)
         if self._body is not None:
             return self._head(self._hidden(ids, position_ids, mask)[rows, last])

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 
 _ONEDNN = "onednn"
 
@@ -111,6 +112,32 @@ def use_onednn_linears(model: nn.Module) -> int:
             module.__class__ = OneDNNLinear
             count += 1
     return count
+
+
+class OneDNNInferenceLinears(TorchFunctionMode):
+    """Inside it, every `F.linear` whose weight has at least `min_numel` elements and whose operands
+    `_takes_onednn` allows, with nothing requiring a gradient, runs on oneDNN's GEMM; the modules stay as
+    they are. For inference forwards of models whose modules are not this code's to change (the
+    generation engine's prefill: its decode already runs on oneDNN-packed weights)."""
+
+    def __init__(self, min_numel: int) -> None:
+        super().__init__()
+        self.min_numel = min_numel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (
+                weight.numel() >= self.min_numel
+                and _takes_onednn(x, weight, bias)
+                and not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+            ):
+                out = mkldnn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+                return out.view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
 
 
 def apply_cpu_matmul(model: nn.Module, cpu_matmul: str) -> nn.Module:

@@ -33,8 +33,9 @@ class ModelConfig(Config):
     )
     cpu_matmul: Literal["torch", "onednn"] = Field(
         "torch",
-        description="GEMM of the linear layers for fp32 on the CPU (trainer and engine prefill; the "
-        "engine's decode projections always use oneDNN): torch = F.linear (MKL, bit-stable); onednn = "
+        description="GEMM of the linear layers for fp32 on the CPU (the trainer's, and the engine's "
+        "smaller ones; the engine's decode projections and prefill linears of >= 65536 weights always use "
+        "oneDNN): torch = F.linear (MKL, bit-stable); onednn = "
         "oneDNN's linear for the forward and both backward products, up to 2.2x the GFLOP/s of MKL on "
         "AMD CPUs with AVX-512 (equal to fp32 rounding, not bit for bit). GPUs, bf16 and tensor-"
         "parallel shards always use F.linear",
