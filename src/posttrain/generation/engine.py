@@ -95,8 +95,10 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             keep_freed_memory()  # each step's logits and scores reuse freed memory (host_memory.py)
         self.dtype = first.dtype if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self._onednn_prefill = (
-            self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available()
+        on_onednn = self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available()
+        # what `_forward_at` runs in: its larger linear layers on oneDNN for an fp32 CPU model
+        self._prefill_linears = (
+            OneDNNInferenceLinears(PACK_MIN_NUMEL) if on_onednn else contextlib.nullcontext()
         )
         config = model.config
         self.vocab_size = int(config.vocab_size)
@@ -458,26 +460,21 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         """Logits [b, V] at position `last[i]` of each row, computing the LM head only there. On an fp32
         CPU model its linear layers of at least PACK_MIN_NUMEL weights run on oneDNN's GEMM, as the
         decode step's packed ones do (MKL's SGEMM, F.linear's, takes no AVX-512 path on AMD CPUs)."""
-        if self._onednn_prefill:
-            with OneDNNInferenceLinears(PACK_MIN_NUMEL):
-                return self._forward_at_rows(ids, position_ids, mask, last)
-        return self._forward_at_rows(ids, position_ids, mask, last)
+        with self._prefill_linears:
+            rows = torch.arange(ids.shape[0], device=ids.device)
+            if self._body is not None:
+                return self._head(self._hidden(ids, position_ids, mask)[rows, last])
+            if self._head.module is None:
+                return self._forward(ids, position_ids, mask)[rows, last]
 
-    def _forward_at_rows(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        if self._body is not None:
-            return self._head(self._hidden(ids, position_ids, mask)[rows, last])
-        if self._head.module is None:
-            return self._forward(ids, position_ids, mask)[rows, last]
+            def pick(module, args):
+                return (args[0][rows, last][:, None], *args[1:])
 
-        def pick(module, args):
-            return (args[0][rows, last][:, None], *args[1:])
-
-        handle = self._head.module.register_forward_pre_hook(pick)
-        try:
-            return self._forward(ids, position_ids, mask)[:, 0]
-        finally:
-            handle.remove()
+            handle = self._head.module.register_forward_pre_hook(pick)
+            try:
+                return self._forward(ids, position_ids, mask)[:, 0]
+            finally:
+                handle.remove()
 
     def _hidden(self, ids, position_ids, mask) -> torch.Tensor:
         """Final hidden states [b, t, H] of the decoder body (plain-head models only)."""

@@ -32,6 +32,13 @@ def mkldnn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _unflatten(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`out` [rows, out_features] of an input of `shape` as [*shape[:-1], out_features]; not a view, as
+    F.linear's output is not (a module returning a view would have FSDP2 warn that an in-place op on it
+    skips its pre-backward hook)."""
+    return torch.ops.aten._unsafe_view(out, (*shape[:-1], out.shape[-1]))
+
+
 class _OneDNNLinear(torch.autograd.Function):
     """`F.linear` with the forward and both gradient products on oneDNN's GEMM."""
 
@@ -44,10 +51,7 @@ class _OneDNNLinear(torch.autograd.Function):
         )
         ctx.has_bias = bias is not None
         ctx.in_features = weight.shape[1]
-        out = mkldnn_linear(flat, weight, bias)
-        # not a view of `out`, as F.linear's output is not (a module returning a view would have FSDP2
-        # warn that an in-place op on it skips its pre-backward hook)
-        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
+        return _unflatten(mkldnn_linear(flat, weight, bias), x.shape)
 
     @staticmethod
     @once_differentiable
@@ -135,8 +139,7 @@ class OneDNNInferenceLinears(TorchFunctionMode):
                 and _takes_onednn(x, weight, bias)
                 and not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
             ):
-                out = mkldnn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
-                return out.view(*x.shape[:-1], weight.shape[0])
+                return _unflatten(mkldnn_linear(x.reshape(-1, x.shape[-1]), weight, bias), x.shape)
         return func(*args, **kwargs)
 
 
