@@ -71,7 +71,7 @@ for the geometric mean).
 
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
         [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
-        [--workdir DIR]
+        [--sample-seeds step|group] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -191,8 +191,9 @@ class Snapshots:
         return sum(end - begin for begin, end in self.pauses if end <= stamp)
 
 
-def train_sync(cfg, snaps: Snapshots) -> dict:
-    """run_grpo with the synchronous loop's own loss; returns when step 1 started and the CPU used."""
+def train_sync(cfg, snaps: Snapshots, sample_seeds: str = "step") -> dict:
+    """run_grpo with the synchronous loop's own loss and `grpo.sample_seeds`; returns when step 1
+    started and the CPU used."""
     from posttrain.algorithms import grpo
     from posttrain.algorithms.losses import ClippedPGConfig
 
@@ -208,7 +209,9 @@ def train_sync(cfg, snaps: Snapshots) -> dict:
             started.append(time.process_time())
         return metrics
 
-    grpo.run_grpo(sync_config_like(cfg, loss=ClippedPGConfig()), step_fn=step)
+    sync = sync_config_like(cfg, loss=ClippedPGConfig())
+    sync.grpo.sample_seeds = sample_seeds
+    grpo.run_grpo(sync, step_fn=step)
     return {"start": started[0], "cpu_s": {"process": started[2] - started[1]}}
 
 
@@ -257,6 +260,7 @@ def run_one(
     ray_address: str,
     every: int,
     max_staleness: int = 1,
+    sample_seeds: str = "step",
 ):
     """One run in this process: train with `threads` torch threads, then (clock stopped) evaluate the
     weight copies; writes <out>/result.json."""
@@ -267,7 +271,7 @@ def run_one(
     torch.set_num_threads(threads)
     cfg = async_config(s, init, out, seed, ray_address, max_staleness)
     snaps = Snapshots(every, s.steps)
-    done = (train_sync if mode == "sync" else train_async)(cfg, snaps)
+    done = train_sync(cfg, snaps, sample_seeds) if mode == "sync" else train_async(cfg, snaps)
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     if [r["step"] for r in steps] != list(range(1, s.steps + 1)):
         raise RuntimeError(f"{mode} run logged steps {[r['step'] for r in steps]}, not 1..{s.steps}")
@@ -360,6 +364,13 @@ def main() -> None:
         help="the asynchronous run's async_grpo.max_staleness (default 1; 0: on-policy, a check that the "
         "asynchronous loop learns as the synchronous one does)",
     )
+    ap.add_argument(
+        "--sample-seeds",
+        choices=("step", "group"),
+        default="step",
+        help="the synchronous run's grpo.sample_seeds (default step; group: each group seeded as the "
+        "asynchronous loop seeds it, so at --max-staleness 0 both draw the same samples)",
+    )
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     args = ap.parse_args()
     require("ray", extra="ray")  # the asynchronous run's rollout actor
@@ -399,14 +410,16 @@ def main() -> None:
             f"setting: {s.prompts_per_step} prompts x {s.generations} completions x {s.steps} steps "
             f"= {s.steps * s.samples_per_step} trained samples per run, {s.max_new_tokens} new tokens, "
             f"lr {s.lr}, evaluated every {every} steps; cores {cores}; sync {args.sync_threads} thread(s), "
-            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS, cap 2)",
+            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS, cap 2); sync grpo.sample_seeds={args.sample_seeds}",
             flush=True,
         )
         for i, seed in enumerate(s.seeds):
             for mode in MODES if i % 2 == 0 else MODES[::-1]:
                 threads = args.sync_threads if mode == "sync" else 1
                 out = root / f"{mode}_seed{seed}"
-                r = run_in_process(mode, s, init, out, seed, threads, address, every, args.max_staleness)
+                r = run_in_process(
+                    mode, s, init, out, seed, threads, address, every, args.max_staleness, args.sample_seeds
+                )
                 results[mode].append(r)
                 print(describe(mode, seed, r, target, window, s.steps), flush=True)
         capacity.append(parallel_capacity(spin_s))

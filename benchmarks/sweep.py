@@ -15,8 +15,8 @@ start of the run at the same thread count (benchmarks/_roofline.py). The results
 `sweep.json` and a plot `sweep.png` (speedups and fractions of the roofline vs size) in --out
 (`sweep_onednn.*` with `--cpu-matmul onednn`).
 
-    python benchmarks/sweep.py [--quick] [--sizes 3m,20m,60m,150m] [--no-trl] [--no-train] [--out benchmarks]
-                               [--gen-batch 32] [--cpu-matmul torch|onednn]
+    python benchmarks/sweep.py [--quick] [--sizes 3m,20m,60m,150m] [--no-trl] [--no-train] [--no-gen]
+                               [--out benchmarks] [--gen-batch 32] [--cpu-matmul torch|onednn]
 
 `--gen-batch` sets the sequences decoded together (default 32); results of any other batch carry a
 `_b<N>` suffix in their RESULT names, so they are never read as the default setting's. `--cpu-matmul
@@ -70,6 +70,7 @@ def measure(
     train: bool = True,
     gen_batch: int = GEN_BATCH,
     cpu_matmul: str = "torch",
+    gen: bool = True,
 ) -> dict:
     """Every comparison at one size (see the module docstring), with GFLOP/s where FLOPs are counted;
     `fractions` turns them into fractions of the run's peak. `cpu_matmul`: posttrain's
@@ -77,7 +78,7 @@ def measure(
     out: dict = {"size": size, "params": params_of(size)}
     batch, new_tokens, repeats = (8, 16, 1) if quick else (gen_batch, 64, 3)
     out["gen_batch"] = batch
-    for mode in ("sampling", "greedy"):
+    for mode in ("sampling", "greedy") if gen else ():
         c = compare(
             VOCAB,
             repeats,
@@ -127,7 +128,7 @@ def fractions(r: dict, peak: float) -> None:
 
 def report(r: dict) -> None:
     print(f"--- {r['size']}: {r['params'] / 1e6:.1f}M parameters, decode batch {r['gen_batch']}", flush=True)
-    for mode in ("sampling", "greedy"):
+    for mode in [m for m in ("sampling", "greedy") if f"gen_{m}" in r]:
         g = r[f"gen_{mode}"]
         print(
             f"  generate {mode:8s}: engine {g['engine_tok_s']:8.1f} tok/s ({g['engine_frac']:.0%} of peak), "
@@ -158,8 +159,10 @@ def plot(results: list[dict], path: Path) -> None:
 
     x = [r["params"] / 1e6 for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(x, [r["gen_sampling"]["speedup"] for r in results], "o-", label="generate, sampling vs HF")
-    left.plot(x, [r["gen_greedy"]["speedup"] for r in results], "o-", label="generate, greedy vs HF")
+    gen = all("gen_sampling" in r for r in results)
+    if gen:
+        left.plot(x, [r["gen_sampling"]["speedup"] for r in results], "o-", label="generate, sampling vs HF")
+        left.plot(x, [r["gen_greedy"]["speedup"] for r in results], "o-", label="generate, greedy vs HF")
     if all("train" in r for r in results):
         left.plot(x, [r["train"]["speedup"] for r in results], "o-", label="train step vs hand-written")
     if all("grpo" in r for r in results):
@@ -172,10 +175,16 @@ def plot(results: list[dict], path: Path) -> None:
         )
     left.axhline(1.0, color="grey", lw=0.8)
     left.set(xscale="log", xlabel="parameters (M)", ylabel="speedup (x)", title="posttrain vs reference")
-    right.plot(x, [r["gen_sampling"]["engine_frac"] for r in results], "o-", label="engine decode (sampling)")
-    right.plot(x, [r["gen_sampling"]["hf_frac"] for r in results], "o--", label="HF generate (sampling)")
-    right.plot(x, [r["gen_greedy"]["engine_frac"] for r in results], "s-", label="engine decode (greedy)")
-    right.plot(x, [r["gen_greedy"]["hf_frac"] for r in results], "s--", label="HF generate (greedy)")
+    for mode, marker in (("sampling", "o"), ("greedy", "s")) if gen else ():
+        right.plot(
+            x,
+            [r[f"gen_{mode}"]["engine_frac"] for r in results],
+            f"{marker}-",
+            label=f"engine decode ({mode})",
+        )
+        right.plot(
+            x, [r[f"gen_{mode}"]["hf_frac"] for r in results], f"{marker}--", label=f"HF generate ({mode})"
+        )
     if all("train" in r for r in results):
         right.plot(x, [r["train"]["ours_frac"] for r in results], "^-", label="posttrain train step")
         right.plot(x, [r["train"]["ref_frac"] for r in results], "^--", label="hand-written train step")
@@ -196,6 +205,7 @@ def main() -> None:
     ap.add_argument("--no-trl", action="store_true", help="skip the GRPO-vs-TRL comparison")
     ap.add_argument("--out", default=str(Path(__file__).parent), help="where sweep.json and sweep.png go")
     ap.add_argument("--no-train", action="store_true", help="skip the train-step comparison")
+    ap.add_argument("--no-gen", action="store_true", help="skip the generation comparison")
     ap.add_argument(
         "--gen-batch", type=int, default=GEN_BATCH, help="sequences decoded together (default 32)"
     )
@@ -243,6 +253,7 @@ def main() -> None:
                     not args.no_train,
                     args.gen_batch,
                     args.cpu_matmul,
+                    not args.no_gen,
                 )
             )
             probes.append(matmul_peak())
@@ -269,9 +280,10 @@ def main() -> None:
     for r in results:
         batch = "" if r["gen_batch"] == GEN_BATCH or args.quick else f"_b{r['gen_batch']}"
         s = r["size"] + batch + gemm
-        print(result_line(f"gen_speedup_vs_hf_{s}", r["gen_sampling"]["speedup"], ">=3"))
-        print(result_line(f"gen_speedup_vs_hf_greedy_{s}", r["gen_greedy"]["speedup"], ">=1"))
-        if r["params"] >= ROOFLINE_FROM:
+        if "gen_sampling" in r:
+            print(result_line(f"gen_speedup_vs_hf_{s}", r["gen_sampling"]["speedup"], ">=3"))
+            print(result_line(f"gen_speedup_vs_hf_greedy_{s}", r["gen_greedy"]["speedup"], ">=1"))
+        if "gen_sampling" in r and r["params"] >= ROOFLINE_FROM:
             print(result_line(f"engine_decode_roofline_frac_{s}", r["gen_sampling"]["engine_frac"], ">=0.7"))
         if "train" in r:
             print(result_line(f"train_vs_handwritten_{r['size']}{gemm}", r["train"]["speedup"], ">=0.9"))

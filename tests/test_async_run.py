@@ -12,6 +12,7 @@ import pickle
 import random
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -495,6 +496,50 @@ def warm_start(out) -> str:
     }
     run_sft(build_config(SFTConfig, sft))
     return str(out / "hf")
+
+
+def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_path, monkeypatch):
+    """grpo.sample_seeds=group: the synchronous loop draws each group as the asynchronous loop's workers
+    do, from (seed, prompt id, weight version). At max_staleness=0 with one worker (every group drawn at
+    the trainer's current weights, one optimizer step per step, the same prompts in the same order) the
+    two loops then train on the same samples and take the same steps, up to float summation order (their
+    micro-batches are cut differently). With the default per-step seeds they draw other samples. The
+    golden runs' dense reward: a random tiny model scores 0 on arithmetic and would train nothing."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "golden"))
+    cfg = small_cfg(
+        tmp_path / "async",
+        "task.reward_fn=golden_reward:reward",
+        "async_grpo.max_staleness=0",
+        "async_grpo.max_in_flight_per_worker=4",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "checkpointing.save_period=4",
+    )
+    run_async_grpo(cfg)
+    runs = {"async": [r for r in read_metrics(tmp_path / "async" / "metrics.jsonl") if "train/loss" in r]}
+    for seeds in ("group", "step"):
+        sync = sync_config_like(cfg).model_copy(update={"output_dir": str(tmp_path / seeds)})
+        sync.grpo.sample_seeds = seeds
+        run_grpo(sync)
+        runs[seeds] = [r for r in read_metrics(tmp_path / seeds / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in runs["async"]] == [r["step"] for r in runs["group"]] == [1, 2, 3, 4]
+    assert all(r["staleness/lag_0"] == 4 for r in runs["async"])  # every group at the current weights
+    assert all(r["train/grad_norm"] > 0 for r in runs["async"])
+    for a, b in zip(runs["async"], runs["group"]):
+        assert a["completion_length"] == b["completion_length"], a["step"]
+        assert a["reward"] == pytest.approx(b["reward"], rel=1e-6), a["step"]  # means summed in other orders
+        for key in ("loss", "grad_norm", "importance_weight"):
+            assert a[f"train/{key}"] == pytest.approx(b[f"train/{key}"], rel=1e-4, abs=1e-6), (a["step"], key)
+    sampled = [(r["reward"], r["completion_length"]) for r in runs["async"]]
+    assert sampled != [(r["reward"], r["completion_length"]) for r in runs["step"]]
+    final = {}
+    for name in ("async", "group"):
+        policy = Policy(cfg.policy)
+        policy.load_checkpoint(str(tmp_path / name / "checkpoints" / "step_4"))
+        final[name] = policy.full_state_dict()
+    assert final["async"].keys() == final["group"].keys()
+    for key, value in final["async"].items():
+        torch.testing.assert_close(value, final["group"][key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from posttrain.rollout import episodes
 from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
-from posttrain.rollout.groups import check_context, engine_config, probe_sync, step_seed
+from posttrain.rollout.groups import check_context, engine_config, group_seed, probe_sync, step_seed
 from posttrain.rollout.reward_model import RewardModel, RewardModelConfig
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import Trajectory
@@ -301,11 +301,22 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     return run
 
 
+def sample_seeds(run: Run, items: list[PromptItem], salt: int) -> int | list[int]:
+    """The seed of the step's draw of `items` (`salt`: the refill attempt): one of (seed, step, salt),
+    or with `grpo.sample_seeds=group` one per group of (seed, prompt id, the engine's weight version),
+    the asynchronous loop's."""
+    loop = run.cfg.grpo
+    if loop.sample_seeds == "group":
+        return [group_seed(loop.seed, it.prompt_id, run.engine.weight_version) for it in items]
+    return step_seed(loop.seed, run.step, salt)
+
+
 def sample_groups(run: Run, items: list[PromptItem], salt: int) -> list[GenerationResult]:
-    """The step's groups for `items` (`salt`: the refill attempt), seeded by (seed, step, salt)."""
-    seed = step_seed(run.cfg.grpo.seed, run.step, salt)
+    """The step's groups for `items` (`salt`: the refill attempt), seeded by `sample_seeds`."""
     g = run.cfg.grpo.num_generations_per_prompt
-    return rollout_groups.sample_groups(run.engine, items, g, run.cfg.sampling, seed)
+    return rollout_groups.sample_groups(
+        run.engine, items, g, run.cfg.sampling, sample_seeds(run, items, salt)
+    )
 
 
 def score(run: Run, items: list[PromptItem], results: list[GenerationResult]):
@@ -318,7 +329,7 @@ def score(run: Run, items: list[PromptItem], results: list[GenerationResult]):
 
 def play(run: Run, items: list[PromptItem], salt: int) -> tuple[list[Trajectory], Any, Any, dict]:
     """An environment's episodes for `items` (seeded as `sample_groups`) with their rewards."""
-    seed = step_seed(run.cfg.grpo.seed, run.step, salt)
+    seed = sample_seeds(run, items, salt)
     g = run.cfg.grpo.num_generations_per_prompt
     trajs = episodes.play_step(run.engine, run.tokenizer, run.task, items, g, run.cfg.sampling, seed)
     return (trajs, *episodes.trajectory_rewards(trajs))

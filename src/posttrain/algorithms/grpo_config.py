@@ -28,6 +28,13 @@ class GRPOLoopConfig(GroupConfig):
     max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
     dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
     dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
+    sample_seeds: Literal["step", "group"] = Field(
+        "step",
+        description="step: one seed per step's prompt batch (sample i of the step draws random stream i); "
+        "group: each group draws streams 0..G-1 of a seed of (grpo.seed, prompt id, weight version), as "
+        "grpo-async always does, so a synchronous run and an asynchronous one at max_staleness=0 draw the "
+        "same samples (common random numbers for comparing the two loops)",
+    )
     val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
     val_at_start: bool = Field(True, description="validate before the first step")
     recompute_prev_logprobs: Literal["auto", "always"] = Field(

@@ -320,16 +320,17 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         sessions: list[Hashable | None] | None = None,
+        streams: list[int] | None = None,
     ) -> list[GenerationResult]:
-        """Generate a completion for every prompt (blocking; prompt k of session `sessions[k]`); results
-        in prompt order."""
+        """Generate a completion for every prompt (blocking; prompt k of session `sessions[k]`, drawing
+        from random stream k of its seed, or `streams[k]`); results in prompt order."""
         self._futures = {k: f for k, f in self._futures.items() if not (f.done() or f.get_loop().is_closed())}
         if self._futures:
             raise EngineStateError(
                 "generate() called while asynchronous requests are pending; await them first "
                 "(or use agenerate()/astream() for these prompts too)"
             )
-        ids = self.submit_all(prompts, params, sessions=sessions)
+        ids = self.submit_all(prompts, params, streams, sessions)
         wanted = set(ids)
         got: dict[int, GenerationResult] = {}
         while len(got) < len(ids):

@@ -51,13 +51,16 @@ def play_step(
     items: list[PromptItem],
     group_size: int,
     sampling: SamplingParams,
-    seed: int,
+    seed: int | list[int],
 ) -> list[Trajectory]:
     """The synchronous loop's groups of one step, flattened in group order (blocking); trajectory k
-    of sample i draws from stream i * G + k of `seed`, as single-turn samples do."""
-    play = play_groups(
-        engine, tokenizer, suite, items, group_size, sampling, lambda i: (seed, i * group_size)
-    )
+    of group i draws from stream i * G + k of `seed`, or from stream k of `seed[i]` (one seed per
+    group), as single-turn samples do."""
+
+    def seed_of(i: int) -> tuple[int, int]:
+        return (seed, i * group_size) if isinstance(seed, int) else (seed[i], 0)
+
+    play = play_groups(engine, tokenizer, suite, items, group_size, sampling, seed_of)
     return [t for group in asyncio.run(play) for t in group]
 
 

@@ -121,12 +121,22 @@ def probe_sync(cfg: WeightSyncConfig, vocab_size: int, dp_size: int) -> WeightSy
 
 
 def sample_groups(
-    engine: GenerationEngine, items: list[PromptItem], group_size: int, sampling: SamplingParams, seed: int
+    engine: GenerationEngine,
+    items: list[PromptItem],
+    group_size: int,
+    sampling: SamplingParams,
+    seed: int | list[int],
 ) -> list[GenerationResult]:
-    """`group_size` completions for each prompt, flattened in group order. One seed per call: the
-    engine gives sample i its own random stream (seed, i)."""
+    """`group_size` completions for each prompt, flattened in group order. One seed for the call: the
+    engine gives sample i its own random stream (seed, i); one seed per group: sample k of group j
+    draws stream (seed[j], k), as the asynchronous loop's workers draw a group."""
     prompts = [list(it.prompt_token_ids) for it in items for _ in range(group_size)]
-    return engine.generate(prompts, sampling.model_copy(update={"seed": seed}))
+    if isinstance(seed, int):
+        return engine.generate(prompts, sampling.model_copy(update={"seed": seed}))
+    if len(seed) != len(items):
+        raise ValueError(f"got {len(items)} prompts but {len(seed)} group seeds")
+    params = [sampling.model_copy(update={"seed": s}) for s in seed for _ in range(group_size)]
+    return engine.generate(prompts, params, streams=list(range(group_size)) * len(items))
 
 
 def decode_completions(tokenizer: Any, results: list[GenerationResult]) -> list[str]:

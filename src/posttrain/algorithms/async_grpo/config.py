@@ -129,6 +129,8 @@ _UNUSED = {
     ("grpo", "max_num_steps"): "set async_grpo.num_steps instead",
     ("grpo", "max_num_epochs"): "set async_grpo.num_epochs instead",
     ("grpo", "dynamic_sampling_max_refills"): "remove it",
+    ("grpo", "sample_seeds"): "it always seeds each group by (grpo.seed, prompt, weight version), as "
+    "grpo.sample_seeds=group does in grpo; remove it",
     ("async_grpo", "seed"): _ORDER + "set grpo.seed (or task.seed) instead",
     ("async_grpo", "shuffle"): _ORDER + "remove it (a run's prompts are always shuffled)",
 }
