@@ -71,7 +71,7 @@ for the geometric mean).
 
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
         [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
-        [--sample-seeds step|group] [--workdir DIR]
+        [--sample-seeds step|group] [--async-tis on|off] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -125,9 +125,16 @@ FULL = Setting(
 
 
 def async_config(
-    s: Setting, init: Path, out: Path, seed: int, ray_address: str | None, max_staleness: int = 1
+    s: Setting,
+    init: Path,
+    out: Path,
+    seed: int,
+    ray_address: str | None,
+    max_staleness: int = 1,
+    tis: bool = True,
 ):
-    """The asynchronous run of setting `s` from `init`; the synchronous one is `sync_config_like` it."""
+    """The asynchronous run of setting `s` from `init` (`tis`: its loss's truncated importance
+    sampling); the synchronous one is `sync_config_like` it."""
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.config import build_config
 
@@ -152,6 +159,10 @@ def async_config(
                 "max_staleness": max_staleness,
                 "max_groups_per_call": s.prompts_per_step,
                 "max_in_flight_per_worker": 2 * s.prompts_per_step,
+                "loss": {
+                    "use_importance_sampling_correction": tis,
+                    "truncated_importance_sampling_type": "tis",
+                },
             },
             "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1, "ray_address": ray_address},
             "checkpointing": {"enabled": False, "resume": "never", "overwrite": True},
@@ -261,6 +272,7 @@ def run_one(
     every: int,
     max_staleness: int = 1,
     sample_seeds: str = "step",
+    tis: bool = True,
 ):
     """One run in this process: train with `threads` torch threads, then (clock stopped) evaluate the
     weight copies; writes <out>/result.json."""
@@ -269,7 +281,7 @@ def run_one(
     from posttrain.logging import read_metrics
 
     torch.set_num_threads(threads)
-    cfg = async_config(s, init, out, seed, ray_address, max_staleness)
+    cfg = async_config(s, init, out, seed, ray_address, max_staleness, tis)
     snaps = Snapshots(every, s.steps)
     done = train_sync(cfg, snaps, sample_seeds) if mode == "sync" else train_async(cfg, snaps)
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
@@ -371,8 +383,19 @@ def main() -> None:
         help="the synchronous run's grpo.sample_seeds (default step; group: each group seeded as the "
         "asynchronous loop seeds it, so at --max-staleness 0 both draw the same samples)",
     )
+    ap.add_argument(
+        "--async-tis",
+        choices=("on", "off"),
+        default="on",
+        help="the asynchronous loss's truncated importance sampling (default on; off only with "
+        "--max-staleness 0, where the weights are 1 up to rounding)",
+    )
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     args = ap.parse_args()
+    if args.async_tis == "off" and args.max_staleness > 0:
+        raise SystemExit(
+            "--async-tis off trains stale samples without their correction; use it with --max-staleness 0"
+        )
     require("ray", extra="ray")  # the asynchronous run's rollout actor
     require("scipy", extra="dev")  # the t-intervals
     import torch
@@ -410,7 +433,7 @@ def main() -> None:
             f"setting: {s.prompts_per_step} prompts x {s.generations} completions x {s.steps} steps "
             f"= {s.steps * s.samples_per_step} trained samples per run, {s.max_new_tokens} new tokens, "
             f"lr {s.lr}, evaluated every {every} steps; cores {cores}; sync {args.sync_threads} thread(s), "
-            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS, cap 2); sync grpo.sample_seeds={args.sample_seeds}",
+            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS {args.async_tis}, cap 2); sync grpo.sample_seeds={args.sample_seeds}",
             flush=True,
         )
         for i, seed in enumerate(s.seeds):
@@ -418,7 +441,17 @@ def main() -> None:
                 threads = args.sync_threads if mode == "sync" else 1
                 out = root / f"{mode}_seed{seed}"
                 r = run_in_process(
-                    mode, s, init, out, seed, threads, address, every, args.max_staleness, args.sample_seeds
+                    mode,
+                    s,
+                    init,
+                    out,
+                    seed,
+                    threads,
+                    address,
+                    every,
+                    args.max_staleness,
+                    args.sample_seeds,
+                    args.async_tis == "on",
                 )
                 results[mode].append(r)
                 print(describe(mode, seed, r, target, window, s.steps), flush=True)

@@ -498,13 +498,15 @@ def warm_start(out) -> str:
     return str(out / "hf")
 
 
-def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tis", [False, True])
+def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_path, monkeypatch, tis):
     """grpo.sample_seeds=group: the synchronous loop draws each group as the asynchronous loop's workers
     do, from (seed, prompt id, weight version). At max_staleness=0 with one worker (every group drawn at
     the trainer's current weights, one optimizer step per step, the same prompts in the same order) the
-    two loops then train on the same samples and take the same steps, up to float summation order (their
-    micro-batches are cut differently). With the default per-step seeds they draw other samples. The
-    golden runs' dense reward: a random tiny model scores 0 on arithmetic and would train nothing."""
+    two loops then train on the same samples and take the same steps: bit for bit without importance
+    sampling; with it (the asynchronous default) up to the weights' rounding (exp(lp - lp_engine) is 1
+    within ~3e-7). With the default per-step seeds they draw other samples. The golden runs' dense
+    reward: a random tiny model scores 0 on arithmetic and would train nothing."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "golden"))
     cfg = small_cfg(
         tmp_path / "async",
@@ -514,6 +516,7 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
         "grpo.val_period=0",
         "grpo.val_at_start=false",
         "checkpointing.save_period=4",
+        f"async_grpo.loss.use_importance_sampling_correction={str(tis).lower()}",
     )
     run_async_grpo(cfg)
     runs = {"async": [r for r in read_metrics(tmp_path / "async" / "metrics.jsonl") if "train/loss" in r]}
@@ -529,7 +532,13 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
         assert a["completion_length"] == b["completion_length"], a["step"]
         assert a["reward"] == pytest.approx(b["reward"], rel=1e-6), a["step"]  # means summed in other orders
         for key in ("loss", "grad_norm", "importance_weight"):
-            assert a[f"train/{key}"] == pytest.approx(b[f"train/{key}"], rel=1e-4, abs=1e-6), (a["step"], key)
+            if tis:
+                assert a[f"train/{key}"] == pytest.approx(b[f"train/{key}"], rel=1e-4, abs=1e-6), (
+                    a["step"],
+                    key,
+                )
+            else:
+                assert a[f"train/{key}"] == b[f"train/{key}"], (a["step"], key)
     sampled = [(r["reward"], r["completion_length"]) for r in runs["async"]]
     assert sampled != [(r["reward"], r["completion_length"]) for r in runs["step"]]
     final = {}
@@ -539,7 +548,8 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
         final[name] = policy.full_state_dict()
     assert final["async"].keys() == final["group"].keys()
     for key, value in final["async"].items():
-        torch.testing.assert_close(value, final["group"][key], rtol=1e-4, atol=1e-6, msg=key)
+        tol = {"rtol": 1e-4, "atol": 1e-6} if tis else {"rtol": 0.0, "atol": 0.0}
+        torch.testing.assert_close(value, final["group"][key], **tol, msg=key)
 
 
 @pytest.mark.slow
