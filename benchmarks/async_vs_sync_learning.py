@@ -72,6 +72,9 @@ for the geometric mean).
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
         [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
         [--sample-seeds step|group] [--async-tis on|off] [--workdir DIR]
+
+The RESULT names of any setting but the measured one carry a suffix: `_staleness<S>` (another
+--max-staleness), `_crn` (--sample-seeds group: common random numbers), `_notis` (--async-tis off).
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ def train_sync(cfg, snaps: Snapshots, sample_seeds: str = "step") -> dict:
 
 
 def train_async(cfg, snaps: Snapshots) -> dict:
-    """setup + train of the asynchronous loop (its default loss); returns when train() was called,
+    """setup + train of the asynchronous loop (`cfg`'s loss); returns when train() was called,
     the CPU used by this process and the rollout actor, and the actor's affinity and threads."""
     import ray
     import torch
@@ -457,7 +460,14 @@ def main() -> None:
                 print(describe(mode, seed, r, target, window, s.steps), flush=True)
         capacity.append(parallel_capacity(spin_s))
     check_capacity(capacity)
-    report(results, s, target, window, acc0)
+    report(
+        results,
+        s,
+        target,
+        window,
+        acc0,
+        setting_suffix(args.max_staleness, args.sample_seeds, args.async_tis == "on"),
+    )
 
 
 def check_capacity(capacity: list[tuple[float, float]]) -> None:
@@ -516,8 +526,19 @@ def describe(mode: str, seed: int, r: dict, target: float, window: int, steps: i
     return "\n".join(lines)
 
 
-def report(results: dict[str, list[dict]], s: Setting, target: float, window: int, acc0: float) -> None:
-    """Aggregates over seeds and the RESULT lines."""
+def setting_suffix(max_staleness: int, sample_seeds: str, tis: bool) -> str:
+    """The RESULT names' suffix of a setting other than the measured one (staleness 1, the synchronous
+    loop's own seeds, TIS on), so that no other setting's numbers read as the headline's."""
+    parts = [f"staleness{max_staleness}"] if max_staleness != 1 else []
+    parts += ["crn"] if sample_seeds != "step" else []  # common random numbers
+    parts += [] if tis else ["notis"]
+    return "".join(f"_{p}" for p in parts)
+
+
+def report(
+    results: dict[str, list[dict]], s: Setting, target: float, window: int, acc0: float, suffix: str = ""
+) -> None:
+    """Aggregates over seeds and the RESULT lines (their names end in `suffix`)."""
     n = len(s.seeds)
     hits = {m: [time_to(r, target, window) for r in results[m]] for m in MODES}
     for m in MODES:
@@ -545,9 +566,9 @@ def report(results: dict[str, list[dict]], s: Setting, target: float, window: in
     for m in MODES:
         print(summary(f"{m} final held-out accuracy (warm start {100 * acc0:.1f})", final[m], 100, " pts"))
     diff = [a - b for a, b in zip(final["async"], final["sync"])]
-    print(result_line("async_time_to_acc_vs_sync", median(ratios) if ratios else math.nan, ">=1.6"))
+    print(result_line(f"async_time_to_acc_vs_sync{suffix}", median(ratios) if ratios else math.nan, ">=1.6"))
     print(summary("final accuracy async - sync", diff, 100, " pts"))
-    print(result_line("async_final_acc_minus_sync", 100 * statistics.mean(diff), ">=-2"))
+    print(result_line(f"async_final_acc_minus_sync{suffix}", 100 * statistics.mean(diff), ">=-2"))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,28 @@ def test_should_save():
     assert not CheckpointManager(CheckpointingConfig(enabled=False), "x").should_save(3, 7)
 
 
+def test_a_key_the_checkpoint_lacks_is_accepted_only_at_its_default():
+    saved = {"grpo": {"seed": 0}}
+    current = {"grpo": {"seed": 0, "sample_seeds": "step"}}
+    check_resume_config(saved, current, at_default=lambda key: key == "grpo.sample_seeds")
+    with pytest.raises(ValueError, match=r"grpo.sample_seeds: checkpoint None, now 'step'"):
+        check_resume_config(saved, current)  # nothing says it is a default: refused as before
+    with pytest.raises(ValueError, match=r"grpo.seed: checkpoint 0, now 1"):  # present and changed
+        check_resume_config(saved, {"grpo": {"seed": 1}}, at_default=lambda key: True)
+
+
+def test_field_at_default_walks_the_config_sections():
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.runs import field_at_default
+
+    cfg = GRPOConfig()
+    assert field_at_default(cfg, "grpo.sample_seeds") and field_at_default(cfg, "policy.optimizer.lr")
+    assert field_at_default(cfg, "policy.scheduler")  # a list, compared whole
+    cfg.grpo.sample_seeds = "group"
+    assert not field_at_default(cfg, "grpo.sample_seeds")
+    assert not field_at_default(cfg, "grpo.no_such_key") and not field_at_default(cfg, "nowhere.lr")
+
+
 def test_config_mismatch_lists_each_key():
     with pytest.raises(ValueError, match=r"grpo.seed: checkpoint 0, now 1"):
         check_resume_config(

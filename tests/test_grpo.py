@@ -59,6 +59,28 @@ def test_resume_refuses_a_changed_loop_config(tmp_path):
         )
 
 
+def test_resume_accepts_a_checkpoint_written_before_a_setting_existed(tmp_path, monkeypatch):
+    """A checkpoint whose config lacks a setting added since (here grpo.sample_seeds, as one written
+    before it existed) resumes when the setting is at its default, which keeps the behaviour the
+    checkpoint was written with; set to anything else, the resume is refused, naming the key."""
+    from posttrain.algorithms import grpo
+
+    view = grpo._resume_view
+
+    def older(cfg):
+        out = view(cfg)
+        out["grpo"] = {k: v for k, v in out["grpo"].items() if k != "sample_seeds"}
+        return out
+
+    monkeypatch.setattr(grpo, "_resume_view", older)
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=2"))
+    monkeypatch.setattr(grpo, "_resume_view", view)
+    with pytest.raises(ValueError, match=r"grpo.sample_seeds: checkpoint None, now 'group'"):
+        run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=3", "grpo.sample_seeds=group"))
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=3"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+
+
 @pytest.fixture
 def flaky_reward_module(tmp_path, monkeypatch):
     """A reward module that raises for prompts with an even answer and scores the rest by length + 1;

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -261,14 +262,22 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def check_resume_config(
-    saved: dict[str, Any], current: dict[str, Any], may_change: tuple[str, ...] = ()
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    may_change: tuple[str, ...] = (),
+    at_default: Callable[[str], bool] | None = None,
 ) -> list[tuple[str, Any, Any]]:
     """Refuse to resume when a setting that shapes the trajectory changed; list each differing key.
 
     `may_change`: dotted keys that a resumed run may set differently (e.g. the number of steps); returns
-    those that differ as (key, checkpoint's value, current value)."""
+    those that differ as (key, checkpoint's value, current value). `at_default(key)`: whether the current
+    config holds the default of a key; a key the checkpoint lacks (a setting added since it was written,
+    whose default keeps the behaviour it was written with) is accepted at its default."""
     a, b = _flatten(saved), _flatten(current)
-    differ = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    added = {k for k in set(b) - set(a) if at_default is not None and at_default(k)}
+    for k in sorted(added):
+        log.info("resuming a checkpoint written before %s existed: its default %r applies", k, b[k])
+    differ = [k for k in sorted((set(a) | set(b)) - added) if a.get(k) != b.get(k)]
     refused = [f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in differ if k not in may_change]
     if refused:
         raise ValueError(

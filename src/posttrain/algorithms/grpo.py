@@ -3,8 +3,9 @@
 Read `run_grpo` top to bottom; each phase is a short function below it. Departures from the textbook:
 - failed rewards are never entered as 0: the sample is masked out and counted (tasks/rewards.py);
 - dynamic sampling drops prompt groups whose rewards are all equal and refills up to a bound;
-- generation seeds are derived from (seed, step, sample), so a resumed run draws exactly the samples
-  an uninterrupted run would;
+- generation seeds are derived from (seed, step, sample), or with `grpo.sample_seeds=group` from
+  (seed, prompt, weight version, sample) as in the asynchronous loop, so a resumed run draws exactly
+  the samples an uninterrupted run would;
 - after every weight sync the engine's logprobs on a probe batch are checked against the trainer's.
 """
 
@@ -526,7 +527,7 @@ def loop_state(run: Run) -> dict[str, Any]:
 def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
     """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step);
     returns the metrics it was saved with ({} for a fresh start)."""
-    extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE)
+    extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE, config=run.cfg)
     if extra is None:
         return {}
     for name, other in run.companions.items():

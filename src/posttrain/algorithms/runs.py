@@ -108,12 +108,15 @@ def resume(
     may_change: tuple[str, ...] = (),
     requires: str | None = None,
     hint: str = "",
+    config: Config | None = None,
 ) -> dict[str, Any] | None:
     """Load the checkpoint the manager picks (model, optimizer, RNG) and return its loop state, or None
-    when the run starts fresh. Refuses a checkpoint whose loop config (`view`) differs outside
-    `may_change` (sections the checkpoint did not record are not compared), or whose loop state lacks
-    the key `requires` (`hint` says what to do instead); logs each key in `may_change` that differs.
-    The policy's learning rate is the config's (policy/worker.py), whatever the checkpoint's was."""
+    when the run starts fresh. Refuses a checkpoint whose loop config (`view`, dotted keys that name
+    fields of `config`) differs outside `may_change` (sections the checkpoint did not record are not
+    compared; a setting added since it was written is accepted at its default), or whose loop state
+    lacks the key `requires` (`hint` says what to do instead); logs each key in `may_change` that
+    differs. The policy's learning rate is the config's (policy/worker.py), whatever the checkpoint's
+    was."""
     path = ckpt.resume_path()
     if path is None:
         return None
@@ -122,11 +125,41 @@ def resume(
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
     saved = extra.get("config", {})
-    changed = check_resume_config(saved, {k: v for k, v in view.items() if k in saved}, may_change)
+    at_default = None if config is None else (lambda key: field_at_default(config, key))
+    changed = check_resume_config(
+        saved, {k: v for k, v in view.items() if k in saved}, may_change, at_default
+    )
     log.warning("resumed from %s at step %d", path, int(extra["step"]))
     for key, old, new in changed:
         log.warning("resuming with %s changed %r -> %r", key, old, new)
     return extra
+
+
+_MISSING = object()
+
+
+def field_at_default(config: Config, key: str) -> bool:
+    """Whether the dotted `key` names a field of `config` (through nested sections) holding its default:
+    the value a config built with no arguments holds there (a section's own default may differ from its
+    class's, e.g. a run's learning rate), or where that config has no such field (another kind of task),
+    the default of the field's class."""
+    *path, name = key.split(".")
+    section: Any = config
+    try:
+        default: Any = type(config)()
+    except ValueError:  # a config with required fields (pydantic's ValidationError is a ValueError)
+        default = _MISSING
+    for part in path:
+        section = getattr(section, part, None)
+        default = getattr(default, part, _MISSING)
+        if not isinstance(section, Config):
+            return False
+    field = type(section).model_fields.get(name)
+    if field is None:
+        return False
+    if isinstance(default, type(section)):
+        return getattr(section, name) == getattr(default, name)
+    return getattr(section, name) == field.get_default(call_default_factory=True)
 
 
 def optimizer_view(policy: PolicyConfig) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 held-out samples.
 
 A group is `num_generations_per_prompt` trajectories of one environment sample; trajectory k of a
-group draws from stream k of the group's seed (the synchronous loop: the step's seed, stream
-i * G + k for the i-th sample). A failed trajectory (the environment raised or timed out) has reward
+group draws from stream k of the group's seed (the synchronous loop with its default per-step seeds:
+the step's seed, stream i * G + k for the i-th sample). A failed trajectory (the environment raised or timed out) has reward
 NaN and `failed` set: it is excluded from advantages and counted (`env/failed`), never rewarded 0.
 """
 
@@ -56,6 +56,9 @@ def play_step(
     """The synchronous loop's groups of one step, flattened in group order (blocking); trajectory k
     of group i draws from stream i * G + k of `seed`, or from stream k of `seed[i]` (one seed per
     group), as single-turn samples do."""
+
+    if not isinstance(seed, int) and len(seed) != len(items):
+        raise ValueError(f"got {len(items)} prompts but {len(seed)} group seeds")
 
     def seed_of(i: int) -> tuple[int, int]:
         return (seed, i * group_size) if isinstance(seed, int) else (seed[i], 0)

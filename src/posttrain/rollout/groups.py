@@ -1,7 +1,8 @@
 """Sampling and scoring prompt groups, the same for the synchronous and the asynchronous loop.
 
 A group is `num_generations_per_prompt` completions of one prompt. Sample k of a group draws from the
-engine's random stream k of the group's seed, so every sample is reproducible and distinct. Scoring
+engine's random stream k of the group's seed, so every sample is reproducible and the samples of a
+group are distinct (one seed per step: sample i of the step draws stream i of the step's seed). Scoring
 marks failed rewards (NaN, `failed`): they are excluded from advantages and counted, never entered as 0.
 """
 

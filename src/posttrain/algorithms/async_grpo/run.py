@@ -272,7 +272,9 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
         raise
     ckpt = CheckpointManager(cfg.checkpointing, parts.out)
     hint = "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
-    extra = resume(policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint)
+    extra = resume(
+        policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint, config=cfg
+    )
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
