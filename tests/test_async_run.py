@@ -508,6 +508,9 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
     within ~3e-7). With the default per-step seeds they draw other samples. The golden runs' dense
     reward: a random tiny model scores 0 on arithmetic and would train nothing."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "golden"))
+    # on the CPU everywhere (the GPU tier too): a GPU's GEMMs may round a row differently in another
+    # engine batch shape, and the loops batch their requests differently
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = small_cfg(
         tmp_path / "async",
         "task.reward_fn=golden_reward:reward",
