@@ -4,8 +4,9 @@ held-out samples.
 
 A group is `num_generations_per_prompt` trajectories of one environment sample; trajectory k of a
 group draws from stream k of the group's seed (the synchronous loop with its default per-step seeds:
-the step's seed, stream i * G + k for the i-th sample). A failed trajectory (the environment raised or timed out) has reward
-NaN and `failed` set: it is excluded from advantages and counted (`env/failed`), never rewarded 0.
+the step's seed, stream i * G + k for the i-th sample). A failed trajectory (the environment raised or
+timed out) has reward NaN and `failed` set: it is excluded from advantages and counted (`env/failed`),
+never rewarded 0.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from posttrain.envs.build import EnvSuite
 from posttrain.generation.params import SamplingParams
 from posttrain.rollout.chat import ChatRenderer
 from posttrain.rollout.config import GroupConfig
-from posttrain.rollout.groups import validation_seed
+from posttrain.rollout.groups import group_streams, validation_seed
 from posttrain.rollout.trajectory import Trajectory, env_call, opening, run_group, run_trajectory
 from posttrain.tasks.datasets import PromptItem
 from posttrain.tasks.task import SFTExample
@@ -56,14 +57,8 @@ def play_step(
     """The synchronous loop's groups of one step, flattened in group order (blocking); trajectory k
     of group i draws from stream i * G + k of `seed`, or from stream k of `seed[i]` (one seed per
     group), as single-turn samples do."""
-
-    if not isinstance(seed, int) and len(seed) != len(items):
-        raise ValueError(f"got {len(items)} prompts but {len(seed)} group seeds")
-
-    def seed_of(i: int) -> tuple[int, int]:
-        return (seed, i * group_size) if isinstance(seed, int) else (seed[i], 0)
-
-    play = play_groups(engine, tokenizer, suite, items, group_size, sampling, seed_of)
+    starts = group_streams(seed, len(items), group_size)
+    play = play_groups(engine, tokenizer, suite, items, group_size, sampling, starts.__getitem__)
     return [t for group in asyncio.run(play) for t in group]
 
 

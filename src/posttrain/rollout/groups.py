@@ -43,6 +43,16 @@ def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
     return derive_seed(seed, _GROUP, prompt_id, weight_version)
 
 
+def group_streams(seed: int | list[int], groups: int, group_size: int) -> list[tuple[int, int]]:
+    """Each group's (seed, first stream): one seed for all, group j from stream j * G on (a synchronous
+    step's draw), or one seed per group, each from stream 0 (the asynchronous workers' draw)."""
+    if isinstance(seed, int):
+        return [(seed, j * group_size) for j in range(groups)]
+    if len(seed) != groups:
+        raise ValueError(f"got {groups} prompts but {len(seed)} group seeds")
+    return [(s, 0) for s in seed]
+
+
 def validation_seed(seed: int, row: int) -> int:
     """The seed of held-out row `row` (pass@k with k > 1 samples)."""
     return derive_seed(seed, _VALIDATION, row)
@@ -132,12 +142,11 @@ def sample_groups(
     engine gives sample i its own random stream (seed, i); one seed per group: sample k of group j
     draws stream (seed[j], k), as the asynchronous loop's workers draw a group."""
     prompts = [list(it.prompt_token_ids) for it in items for _ in range(group_size)]
-    if isinstance(seed, int):
-        return engine.generate(prompts, sampling.model_copy(update={"seed": seed}))
-    if len(seed) != len(items):
-        raise ValueError(f"got {len(items)} prompts but {len(seed)} group seeds")
-    params = [sampling.model_copy(update={"seed": s}) for s in seed for _ in range(group_size)]
-    return engine.generate(prompts, params, streams=list(range(group_size)) * len(items))
+    starts = group_streams(seed, len(items), group_size)
+    seeded = {s: sampling.model_copy(update={"seed": s}) for s, _ in starts}  # one for a step's seed
+    params = [seeded[s] for s, _ in starts for _ in range(group_size)]
+    streams = [first + k for _, first in starts for k in range(group_size)]
+    return engine.generate(prompts, params, streams=streams)
 
 
 def decode_completions(tokenizer: Any, results: list[GenerationResult]) -> list[str]:
