@@ -137,6 +137,40 @@ def sync_config_like(cfg: AsyncGRPORunConfig, loss=None) -> GRPOConfig:
     )
 
 
+def lagged_grpo_step(lag: int):
+    """A synchronous GRPO step (`run_grpo(..., step_fn=)`) whose samples come from the weights `lag`
+    optimizer steps behind the ones it trains: what the asynchronous loop computes at
+    `max_staleness=lag` when every group is as stale as allowed (a reference of the tests and
+    benchmarks, not of the library). Step t generates with version max(0, t-1-lag), trains version t-1
+    into t, then loads version max(0, t-lag) into the engine for the next step. Needs an engine that
+    holds a copy of the weights (`weight_sync.share=never`): an aliasing engine sees every update."""
+    from posttrain.algorithms import grpo
+
+    if lag < 1:
+        raise ValueError(f"lag={lag}: a lag of 0 is the synchronous step itself (grpo.grpo_step)")
+    held: dict[int, dict[str, torch.Tensor]] = {}  # trainer version -> the engine's weights of it
+
+    def train(run, batch) -> dict[str, float]:
+        version = run.policy.get_states()[0]["trainer_version"]
+        held[version] = {k: v.detach().clone() for k, v in run.policy.engine_state_dict().items()}
+        return grpo.train(run, batch)
+
+    def step(run) -> dict[str, float]:
+        if run.share_weights:
+            raise ValueError(
+                "lagged_grpo_step needs weight_sync.share=never (the engine aliases the trainer)"
+            )
+        metrics = grpo.grpo_step(run, train_fn=train)  # ends with the engine at the new weights
+        newest = run.policy.get_states()[0]["trainer_version"]
+        version = max(min(held), newest - lag)
+        run.engine.load_weights(held[version], version)
+        for old in [v for v in held if v < version]:  # never loaded again
+            del held[old]
+        return metrics | {"generation_version_next": float(version)}
+
+    return step
+
+
 def actor_killer(ray, in_flight_at_kill: list[int]):
     """An on-step hook for the asynchronous run: after step 1, wait until Ray rollout actor 0 is
     generating at the new weights (requests sent before them may be about to return: weights go out

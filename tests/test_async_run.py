@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import actor_killer, sync_config_like
+from helpers import actor_killer, assert_params_close, lagged_grpo_step, sync_config_like
 from helpers import small_async_grpo_cfg as small_cfg
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
@@ -555,6 +555,52 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
     for key, value in final["async"].items():
         tol = {"rtol": 1e-4, "atol": 1e-6} if tis else {"rtol": 0.0, "atol": 0.0}
         torch.testing.assert_close(value, final["group"][key], **tol, msg=key)
+
+
+def test_async_at_staleness_1_is_the_sync_loop_generating_one_version_behind(tmp_path, monkeypatch):
+    """At max_staleness=1, with every group as stale as allowed, the asynchronous loop trains step t at
+    version t-1 on samples of version t-2: the synchronous loop computes the same when it generates each
+    step one version behind (helpers.lagged_grpo_step) with group seeds and the same loss. The samples
+    are identical and the steps equal up to the rounding of the importance weights (the engines that
+    compute the generation logprobs batch differently), which here are far from 1: the lagged reference
+    reproduces a real staleness correction, not an on-policy step. stale_first selection makes the
+    schedule exact: step 1 trains the first call's first 4 groups (lag 0), every later step the 4 groups
+    requested at the weights one version old (lag 1), whatever the timing."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "golden"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as the staleness-0 test above
+    cfg = small_cfg(
+        tmp_path / "async",
+        "task.reward_fn=golden_reward:reward",
+        "async_grpo.max_staleness=1",
+        "async_grpo.selection=stale_first",
+        "async_grpo.max_in_flight_per_worker=8",  # the first call takes both steps' groups at version 0
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "checkpointing.save_period=4",
+    )
+    run_async_grpo(cfg)
+    a_runs = [r for r in read_metrics(tmp_path / "async" / "metrics.jsonl") if "train/loss" in r]
+    assert [(r["staleness/lag_0"], r["staleness/lag_1"]) for r in a_runs] == [(4, 0), (0, 4), (0, 4), (0, 4)]
+    sync = sync_config_like(cfg).model_copy(update={"output_dir": str(tmp_path / "lagged")})
+    sync.grpo.sample_seeds = "group"
+    sync.weight_sync.share = "never"
+    run_grpo(sync, step_fn=lagged_grpo_step(1))
+    s_runs = [r for r in read_metrics(tmp_path / "lagged" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["generation_version_next"] for r in s_runs] == [0, 1, 2, 3]
+    for a, b in zip(a_runs, s_runs, strict=True):
+        assert a["completion_length"] == b["completion_length"], a["step"]
+        assert a["reward"] == pytest.approx(b["reward"], rel=1e-6), a["step"]
+        for key in ("loss", "grad_norm", "importance_weight", "token_mult_prob_error"):
+            assert a[f"train/{key}"] == pytest.approx(b[f"train/{key}"], rel=1e-4, abs=1e-6), (a["step"], key)
+    # stale samples: the weights moved between generation and training (at staleness 0 they are 1
+    # within 1e-6), and the reference reproduces them
+    assert all(abs(r["train/token_mult_prob_error"] - 1) > 1e-3 for r in a_runs[1:])
+    final = {}
+    for name in ("async", "lagged"):
+        policy = Policy(cfg.policy)
+        policy.load_checkpoint(str(tmp_path / name / "checkpoints" / "step_4"))
+        final[name] = policy.full_state_dict()
+    assert_params_close(final["async"], final["lagged"], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
