@@ -71,10 +71,12 @@ for the geometric mean).
 
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
         [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
-        [--sample-seeds step|group] [--async-tis on|off] [--workdir DIR]
+        [--sample-seeds step|group] [--async-tis on|off] [--sync-lag N] [--workdir DIR]
 
 The RESULT names of any setting but the measured one carry a suffix: `_staleness<S>` (another
---max-staleness), `_crn` (--sample-seeds group: common random numbers), `_notis` (--async-tis off).
+--max-staleness), `_crn` (--sample-seeds group: common random numbers), `_notis` (--async-tis off),
+`_synclag<N>` (--sync-lag N: the synchronous side is the asynchronous loop's reference at staleness N,
+tests/helpers.lagged_grpo_step, so the comparison is of the loop with its own algorithm).
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ from async_vs_sync import parallel_capacity  # noqa: E402
 from vs_trl import TASK, Setting, policy_section, warm_start  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from helpers import sync_config_like  # noqa: E402  (the tests' converter: same model, task, groups, steps)
+from helpers import (  # noqa: E402  (the tests' converter and reference)
+    lagged_grpo_step,
+    sync_config_like,
+)
 
 MODES = ("sync", "async")
 PHASES = ("generation", "reward", "logprobs", "training", "weight_sync")  # of a synchronous step
@@ -205,26 +210,31 @@ class Snapshots:
         return sum(end - begin for begin, end in self.pauses if end <= stamp)
 
 
-def train_sync(cfg, snaps: Snapshots, sample_seeds: str = "step") -> dict:
+def train_sync(cfg, snaps: Snapshots, sample_seeds: str = "step", lag: int = 0) -> dict:
     """run_grpo with the synchronous loop's own loss and `grpo.sample_seeds`; returns when step 1
-    started and the CPU used."""
+    started and the CPU used. `lag` > 0: the reference of the asynchronous loop at that staleness
+    instead (helpers.lagged_grpo_step: each step generates with the weights `lag` versions behind the
+    trained ones; the asynchronous loss, importance sampling included; an engine holding a copy)."""
     from posttrain.algorithms import grpo
     from posttrain.algorithms.losses import ClippedPGConfig
 
     started: list[float] = []  # time.time() and CPU time at the start of step 1
+    inner = lagged_grpo_step(lag) if lag else grpo.grpo_step
 
     def step(run) -> dict[str, float]:
         if not started:
             started[:] = [time.time(), time.process_time()]
-        metrics = grpo.grpo_step(run)
+        metrics = inner(run)
         if snaps.due(run.step):
             snaps.take(run.policy, run.step)
         if run.step == snaps.last:
             started.append(time.process_time())
         return metrics
 
-    sync = sync_config_like(cfg, loss=ClippedPGConfig())
+    sync = sync_config_like(cfg, loss=None if lag else ClippedPGConfig())
     sync.grpo.sample_seeds = sample_seeds
+    if lag:
+        sync.weight_sync.share = "never"
     grpo.run_grpo(sync, step_fn=step)
     return {"start": started[0], "cpu_s": {"process": started[2] - started[1]}}
 
@@ -276,6 +286,7 @@ def run_one(
     max_staleness: int = 1,
     sample_seeds: str = "step",
     tis: bool = True,
+    sync_lag: int = 0,
 ):
     """One run in this process: train with `threads` torch threads, then (clock stopped) evaluate the
     weight copies; writes <out>/result.json."""
@@ -286,7 +297,7 @@ def run_one(
     torch.set_num_threads(threads)
     cfg = async_config(s, init, out, seed, ray_address, max_staleness, tis)
     snaps = Snapshots(every, s.steps)
-    done = train_sync(cfg, snaps, sample_seeds) if mode == "sync" else train_async(cfg, snaps)
+    done = train_sync(cfg, snaps, sample_seeds, sync_lag) if mode == "sync" else train_async(cfg, snaps)
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
     if [r["step"] for r in steps] != list(range(1, s.steps + 1)):
         raise RuntimeError(f"{mode} run logged steps {[r['step'] for r in steps]}, not 1..{s.steps}")
@@ -393,8 +404,23 @@ def main() -> None:
         help="the asynchronous loss's truncated importance sampling (default on; off only with "
         "--max-staleness 0, where the weights are 1 up to rounding)",
     )
+    ap.add_argument(
+        "--sync-lag",
+        type=int,
+        default=0,
+        help="instead of the synchronous loop, its reference of the asynchronous one at this staleness: "
+        "each step generates with the weights this many versions behind the trained ones and takes the "
+        "asynchronous loss (needs --sample-seeds group; 1 with --max-staleness 1 checks that the "
+        "asynchronous loop's accuracy is its algorithm's)",
+    )
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     args = ap.parse_args()
+    if args.sync_lag and args.sample_seeds != "group":
+        raise SystemExit(
+            "--sync-lag compares the asynchronous run sample for sample: add --sample-seeds group"
+        )
+    if args.sync_lag < 0:
+        raise SystemExit(f"--sync-lag {args.sync_lag}: a lag is 0 (the synchronous loop) or more")
     if args.async_tis == "off" and args.max_staleness > 0:
         raise SystemExit(
             "--async-tis off trains stale samples without their correction; use it with --max-staleness 0"
@@ -436,7 +462,12 @@ def main() -> None:
             f"setting: {s.prompts_per_step} prompts x {s.generations} completions x {s.steps} steps "
             f"= {s.steps * s.samples_per_step} trained samples per run, {s.max_new_tokens} new tokens, "
             f"lr {s.lr}, evaluated every {every} steps; cores {cores}; sync {args.sync_threads} thread(s), "
-            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS {args.async_tis}, cap 2); sync grpo.sample_seeds={args.sample_seeds}",
+            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS {args.async_tis}, cap 2); sync grpo.sample_seeds={args.sample_seeds}"
+            + (
+                f"; sync generating {args.sync_lag} version(s) behind, asynchronous loss"
+                if args.sync_lag
+                else ""
+            ),
             flush=True,
         )
         for i, seed in enumerate(s.seeds):
@@ -455,6 +486,7 @@ def main() -> None:
                     args.max_staleness,
                     args.sample_seeds,
                     args.async_tis == "on",
+                    args.sync_lag,
                 )
                 results[mode].append(r)
                 print(describe(mode, seed, r, target, window, s.steps), flush=True)
@@ -466,7 +498,7 @@ def main() -> None:
         target,
         window,
         acc0,
-        setting_suffix(args.max_staleness, args.sample_seeds, args.async_tis == "on"),
+        setting_suffix(args.max_staleness, args.sample_seeds, args.async_tis == "on", args.sync_lag),
     )
 
 
@@ -526,12 +558,13 @@ def describe(mode: str, seed: int, r: dict, target: float, window: int, steps: i
     return "\n".join(lines)
 
 
-def setting_suffix(max_staleness: int, sample_seeds: str, tis: bool) -> str:
+def setting_suffix(max_staleness: int, sample_seeds: str, tis: bool, sync_lag: int = 0) -> str:
     """The RESULT names' suffix of a setting other than the measured one (staleness 1, the synchronous
-    loop's own seeds, TIS on), so that no other setting's numbers read as the headline's."""
+    loop's own seeds, TIS on, no lag), so that no other setting's numbers read as the headline's."""
     parts = [f"staleness{max_staleness}"] if max_staleness != 1 else []
     parts += ["crn"] if sample_seeds != "step" else []  # common random numbers
     parts += [] if tis else ["notis"]
+    parts += [f"synclag{sync_lag}"] if sync_lag else []
     return "".join(f"_{p}" for p in parts)
 
 
