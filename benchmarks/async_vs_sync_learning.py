@@ -71,10 +71,12 @@ for the geometric mean).
 
     python benchmarks/async_vs_sync_learning.py [--quick] [--seeds N] [--steps N] [--lr LR] [--prompts P]
         [--sync-threads T] [--target-points X] [--eval-every N] [--window W] [--max-staleness S]
-        [--sample-seeds step|group] [--async-tis on|off] [--sync-lag N] [--workdir DIR]
+        [--sample-seeds step|group] [--async-tis on|off]
+        [--async-is-level token|sequence|geometric] [--sync-lag N] [--workdir DIR]
 
 The RESULT names of any setting but the measured one carry a suffix: `_staleness<S>` (another
 --max-staleness), `_crn` (--sample-seeds group: common random numbers), `_notis` (--async-tis off),
+`_issequence` / `_isgeometric` (--async-is-level),
 `_synclag<N>` (--sync-lag N: the synchronous side is the asynchronous loop's reference at staleness N,
 tests/helpers.lagged_grpo_step, so the comparison is of the loop with its own algorithm).
 """
@@ -139,10 +141,10 @@ def async_config(
     seed: int,
     ray_address: str | None,
     max_staleness: int = 1,
-    tis: bool = True,
+    importance: str = "token",
 ):
-    """The asynchronous run of setting `s` from `init` (`tis`: its loss's truncated importance
-    sampling); the synchronous one is `sync_config_like` it."""
+    """The asynchronous run of setting `s` from `init` (`importance`: its loss's truncated importance
+    sampling, off or the level of its weights); the synchronous one is `sync_config_like` it."""
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.config import build_config
 
@@ -168,8 +170,9 @@ def async_config(
                 "max_groups_per_call": s.prompts_per_step,
                 "max_in_flight_per_worker": 2 * s.prompts_per_step,
                 "loss": {
-                    "use_importance_sampling_correction": tis,
+                    "use_importance_sampling_correction": importance != "off",
                     "truncated_importance_sampling_type": "tis",
+                    "importance_sampling_level": "token" if importance == "off" else importance,
                 },
             },
             "rollout": {"backend": "ray", "num_workers": 1, "torch_threads": 1, "ray_address": ray_address},
@@ -285,7 +288,7 @@ def run_one(
     every: int,
     max_staleness: int = 1,
     sample_seeds: str = "step",
-    tis: bool = True,
+    importance: str = "token",
     sync_lag: int = 0,
 ):
     """One run in this process: train with `threads` torch threads, then (clock stopped) evaluate the
@@ -295,7 +298,7 @@ def run_one(
     from posttrain.logging import read_metrics
 
     torch.set_num_threads(threads)
-    cfg = async_config(s, init, out, seed, ray_address, max_staleness, tis)
+    cfg = async_config(s, init, out, seed, ray_address, max_staleness, importance)
     snaps = Snapshots(every, s.steps)
     done = train_sync(cfg, snaps, sample_seeds, sync_lag) if mode == "sync" else train_async(cfg, snaps)
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
@@ -401,8 +404,15 @@ def main() -> None:
         "--async-tis",
         choices=("on", "off"),
         default="on",
-        help="the asynchronous loss's truncated importance sampling (default on; off only with "
-        "--max-staleness 0, where the weights are 1 up to rounding)",
+        help="the asynchronous loss's truncated importance sampling (default on; off above "
+        "--max-staleness 0 trains stale samples uncorrected, a measurement of what the correction does)",
+    )
+    ap.add_argument(
+        "--async-is-level",
+        choices=("token", "sequence", "geometric"),
+        default="token",
+        help="loss.importance_sampling_level of the asynchronous loss (default token: one weight per "
+        "token; sequence: the product over the completion; geometric: its per-token geometric mean)",
     )
     ap.add_argument(
         "--sync-lag",
@@ -421,10 +431,9 @@ def main() -> None:
         )
     if args.sync_lag < 0:
         raise SystemExit(f"--sync-lag {args.sync_lag}: a lag is 0 (the synchronous loop) or more")
-    if args.async_tis == "off" and args.max_staleness > 0:
-        raise SystemExit(
-            "--async-tis off trains stale samples without their correction; use it with --max-staleness 0"
-        )
+    if args.async_tis == "off" and args.async_is_level != "token":
+        raise SystemExit("--async-is-level sets the weights of --async-tis on; with off there are none")
+    importance = args.async_is_level if args.async_tis == "on" else "off"
     require("ray", extra="ray")  # the asynchronous run's rollout actor
     require("scipy", extra="dev")  # the t-intervals
     import torch
@@ -462,7 +471,7 @@ def main() -> None:
             f"setting: {s.prompts_per_step} prompts x {s.generations} completions x {s.steps} steps "
             f"= {s.steps * s.samples_per_step} trained samples per run, {s.max_new_tokens} new tokens, "
             f"lr {s.lr}, evaluated every {every} steps; cores {cores}; sync {args.sync_threads} thread(s), "
-            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS {args.async_tis}, cap 2); sync grpo.sample_seeds={args.sample_seeds}"
+            f"async trainer 1 + rollout actor 1 thread; async max_staleness {args.max_staleness} (TIS {importance}, cap 2); sync grpo.sample_seeds={args.sample_seeds}"
             + (
                 f"; sync generating {args.sync_lag} version(s) behind, asynchronous loss"
                 if args.sync_lag
@@ -485,7 +494,7 @@ def main() -> None:
                     every,
                     args.max_staleness,
                     args.sample_seeds,
-                    args.async_tis == "on",
+                    importance,
                     args.sync_lag,
                 )
                 results[mode].append(r)
@@ -498,7 +507,7 @@ def main() -> None:
         target,
         window,
         acc0,
-        setting_suffix(args.max_staleness, args.sample_seeds, args.async_tis == "on", args.sync_lag),
+        setting_suffix(args.max_staleness, args.sample_seeds, importance, args.sync_lag),
     )
 
 
@@ -558,12 +567,14 @@ def describe(mode: str, seed: int, r: dict, target: float, window: int, steps: i
     return "\n".join(lines)
 
 
-def setting_suffix(max_staleness: int, sample_seeds: str, tis: bool, sync_lag: int = 0) -> str:
+def setting_suffix(
+    max_staleness: int, sample_seeds: str, importance: str = "token", sync_lag: int = 0
+) -> str:
     """The RESULT names' suffix of a setting other than the measured one (staleness 1, the synchronous
     loop's own seeds, TIS on, no lag), so that no other setting's numbers read as the headline's."""
     parts = [f"staleness{max_staleness}"] if max_staleness != 1 else []
     parts += ["crn"] if sample_seeds != "step" else []  # common random numbers
-    parts += [] if tis else ["notis"]
+    parts += {"token": [], "off": ["notis"]}.get(importance, [f"is{importance}"])
     parts += [f"synclag{sync_lag}"] if sync_lag else []
     return "".join(f"_{p}" for p in parts)
 

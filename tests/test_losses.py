@@ -146,6 +146,44 @@ def test_importance_sampling_correction(tis):
         assert float(metrics["is_oob_fraction"]) > 0
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+@pytest.mark.parametrize("tis", ["tis", "icepop"])
+def test_importance_sampling_level_weighs_each_sequence_whole(level, tis):
+    """importance_sampling_level: one weight per sequence from its trained tokens only (a masked
+    token's mismatch does not count), the product of the token ratios (sequence) or their geometric
+    mean, truncated or masked as a whole, against the formula written out per row."""
+    batch, lp, mask = setup()
+    g = torch.Generator().manual_seed(2)
+    shift = torch.tensor([1.2, -0.9, 0.1, 0.9, -0.2, 0.0])[:, None]  # per row: in and out of [0.5, 2]
+    batch["generation_logprobs"] = batch["prev_logprobs"] - shift - 0.05 * torch.randn(6, 10, generator=g)
+    batch["generation_logprobs"][:, 0] += 50.0  # an untrained position: would swamp any weight it entered
+    opts = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": tis}
+    loss, metrics = call(ClippedPGLoss(importance_sampling_level=level, **opts), lp, batch)
+    token_loss, _ = call(ClippedPGLoss(**opts), lp, batch)
+    ratio = (lp - batch["prev_logprobs"]).exp()
+    adv = batch["advantages"]
+    per_tok = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    expected, oob = torch.zeros(()), []
+    for i in range(6):
+        on = mask[i] > 0
+        if not on.any():
+            continue
+        d = (batch["prev_logprobs"][i] - batch["generation_logprobs"][i])[on]
+        w = math.exp(float(d.sum()) if level == "sequence" else float(d.mean()))
+        out = w > 2.0 if tis == "tis" else not 0.5 <= w <= 2.0
+        oob.append(out)
+        w = (2.0 if tis == "tis" else 0.0) if out else w
+        expected = expected + (per_tok[i][on] * w).sum()
+    expected = expected / mask.sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(loss) != pytest.approx(float(token_loss), rel=1e-3)  # not the per-token weights
+    assert any(oob) and not all(oob), oob  # both regimes of the truncation are exercised
+    tokens = [int((mask[i] > 0).sum()) for i in range(6) if (mask[i] > 0).any()]
+    assert float(metrics["is_oob_fraction"]) == pytest.approx(
+        sum(n for n, o in zip(tokens, oob) if o) / sum(tokens), rel=1e-6
+    )
+
+
 def test_disable_ppo_ratio_and_force_on_policy():
     batch, lp, mask = setup()
     lp = lp.clone().requires_grad_(True)

@@ -156,6 +156,12 @@ class ClippedPGConfig(Config):
         None,
         description="tis: cap weights at the max; icepop: zero tokens whose weight is outside [min, max]",
     )
+    importance_sampling_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="what one IS weight covers: token (pi_prev/pi_gen of each token), sequence (the "
+        "product over the sequence's trained tokens: the likelihood ratio of the whole sample), geometric "
+        "(its per-token geometric mean); a sequence's weight is truncated (tis) or masked (icepop) whole",
+    )
     truncated_importance_sampling_ratio: float = Field(2.0, gt=0, description="upper bound of the IS weight")
     truncated_importance_sampling_ratio_min: float = Field(0.5, ge=0, description="icepop lower bound")
     disable_ppo_ratio: bool = Field(
@@ -244,7 +250,14 @@ class ClippedPGLoss:
         cfg = self.cfg
         if not cfg.use_importance_sampling_correction:
             return torch.ones_like(prev), torch.zeros_like(prev)
-        w = (prev - gen).exp().detach()
+        log_w = (prev - gen).detach()
+        if cfg.importance_sampling_level != "token":
+            trained = mask > 0
+            log_w = torch.where(trained, log_w, torch.zeros_like(log_w)).sum(-1, keepdim=True)
+            if cfg.importance_sampling_level == "geometric":
+                log_w = log_w / trained.sum(-1, keepdim=True).clamp(min=1)
+            log_w = log_w.expand_as(prev)
+        w = log_w.exp()
         hi, lo = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
         if cfg.truncated_importance_sampling_type == "tis":
             oob = (w > hi).float()
