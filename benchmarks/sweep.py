@@ -225,6 +225,8 @@ def main() -> None:
     if trl:
         require("trl", "datasets")
     require("matplotlib")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the runs: a bad --out fails now, not after them
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -262,7 +264,6 @@ def main() -> None:
     for r in results:
         fractions(r, peak)
         report(r)
-    out = Path(args.out)
     gemm = "" if args.cpu_matmul == "torch" else f"_{args.cpu_matmul}"
     stem = f"sweep{gemm}"  # a run of another GEMM writes beside the default run's files, not over them
     record = {
