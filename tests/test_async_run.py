@@ -498,6 +498,18 @@ def warm_start(out) -> str:
     return str(out / "hf")
 
 
+def trained_steps(out: Path) -> list[dict]:
+    """The metrics rows of a run's optimizer steps."""
+    return [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+
+
+def final_weights(cfg, out: Path, step: int = 4) -> dict[str, torch.Tensor]:
+    """The full state of the policy checkpointed at `step` under `out`."""
+    policy = Policy(cfg.policy)
+    policy.load_checkpoint(str(out / "checkpoints" / f"step_{step}"))
+    return policy.full_state_dict()
+
+
 @pytest.mark.parametrize("tis", [False, True])
 def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_path, monkeypatch, tis):
     """grpo.sample_seeds=group: the synchronous loop draws each group as the asynchronous loop's workers
@@ -522,12 +534,12 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
         f"async_grpo.loss.use_importance_sampling_correction={str(tis).lower()}",
     )
     run_async_grpo(cfg)
-    runs = {"async": [r for r in read_metrics(tmp_path / "async" / "metrics.jsonl") if "train/loss" in r]}
+    runs = {"async": trained_steps(tmp_path / "async")}
     for seeds in ("group", "step") if not tis else ("group",):  # per-step seeds: one case is enough
         sync = sync_config_like(cfg).model_copy(update={"output_dir": str(tmp_path / seeds)})
         sync.grpo.sample_seeds = seeds
         run_grpo(sync)
-        runs[seeds] = [r for r in read_metrics(tmp_path / seeds / "metrics.jsonl") if "train/loss" in r]
+        runs[seeds] = trained_steps(tmp_path / seeds)
     assert [r["step"] for r in runs["async"]] == [r["step"] for r in runs["group"]] == [1, 2, 3, 4]
     assert all(r["staleness/lag_0"] == 4 for r in runs["async"])  # every group at the current weights
     assert all(r["train/grad_norm"] > 0 for r in runs["async"])
@@ -546,15 +558,8 @@ def test_sync_with_group_seeds_trains_on_the_async_samples_at_staleness_0(tmp_pa
     if not tis:
         sampled = [(r["reward"], r["completion_length"]) for r in runs["async"]]
         assert sampled != [(r["reward"], r["completion_length"]) for r in runs["step"]]
-    final = {}
-    for name in ("async", "group"):
-        policy = Policy(cfg.policy)
-        policy.load_checkpoint(str(tmp_path / name / "checkpoints" / "step_4"))
-        final[name] = policy.full_state_dict()
-    assert final["async"].keys() == final["group"].keys()
-    for key, value in final["async"].items():
-        tol = {"rtol": 1e-4, "atol": 1e-6} if tis else {"rtol": 0.0, "atol": 0.0}
-        torch.testing.assert_close(value, final["group"][key], **tol, msg=key)
+    tol = {"rtol": 1e-4, "atol": 1e-6} if tis else {"rtol": 0.0, "atol": 0.0}
+    assert_params_close(final_weights(cfg, tmp_path / "async"), final_weights(cfg, tmp_path / "group"), **tol)
 
 
 def test_async_at_staleness_1_is_the_sync_loop_generating_one_version_behind(tmp_path, monkeypatch):
@@ -579,13 +584,13 @@ def test_async_at_staleness_1_is_the_sync_loop_generating_one_version_behind(tmp
         "checkpointing.save_period=4",
     )
     run_async_grpo(cfg)
-    a_runs = [r for r in read_metrics(tmp_path / "async" / "metrics.jsonl") if "train/loss" in r]
+    a_runs = trained_steps(tmp_path / "async")
     assert [(r["staleness/lag_0"], r["staleness/lag_1"]) for r in a_runs] == [(4, 0), (0, 4), (0, 4), (0, 4)]
     sync = sync_config_like(cfg).model_copy(update={"output_dir": str(tmp_path / "lagged")})
     sync.grpo.sample_seeds = "group"
     sync.weight_sync.share = "never"
     run_grpo(sync, step_fn=lagged_grpo_step(1))
-    s_runs = [r for r in read_metrics(tmp_path / "lagged" / "metrics.jsonl") if "train/loss" in r]
+    s_runs = trained_steps(tmp_path / "lagged")
     assert [r["generation_version_next"] for r in s_runs] == [0, 1, 2, 3]
     for a, b in zip(a_runs, s_runs, strict=True):
         assert a["completion_length"] == b["completion_length"], a["step"]
@@ -595,12 +600,9 @@ def test_async_at_staleness_1_is_the_sync_loop_generating_one_version_behind(tmp
     # stale samples: the weights moved between generation and training (at staleness 0 they are 1
     # within 1e-6), and the reference reproduces them
     assert all(abs(r["train/token_mult_prob_error"] - 1) > 1e-3 for r in a_runs[1:])
-    final = {}
-    for name in ("async", "lagged"):
-        policy = Policy(cfg.policy)
-        policy.load_checkpoint(str(tmp_path / name / "checkpoints" / "step_4"))
-        final[name] = policy.full_state_dict()
-    assert_params_close(final["async"], final["lagged"], rtol=1e-4, atol=1e-6)
+    assert_params_close(
+        final_weights(cfg, tmp_path / "async"), final_weights(cfg, tmp_path / "lagged"), 1e-4, 1e-6
+    )
 
 
 @pytest.mark.slow

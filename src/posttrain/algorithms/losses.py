@@ -181,12 +181,18 @@ class ClippedPGConfig(Config):
     )
 
 
+def _per_sequence(values: torch.Tensor, mask: torch.Tensor, mean: bool) -> torch.Tensor:
+    """[B]: each row's sum of `values` over its trained tokens (mask > 0), or their mean."""
+    total = torch.where(mask > 0, values, torch.zeros_like(values)).sum(-1)
+    return total / mask.sum(-1).clamp(min=1) if mean else total
+
+
 def _sequence_ratio(logprobs: torch.Tensor, prev: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO's ratio as a [B, T] tensor: every token of sequence i holds s_i = exp(mean_t (lp - prev)) in
     value, with gradient s_i * d lp_t (GSPO-token: sg[s_i] * exp(lp_t - sg[lp_t])). A loss that averages
     each sequence over its own tokens then has exactly GSPO's value and gradient, s_i * mean_t d lp_t,
     and every token of a sequence is clipped alike."""
-    seq = ((logprobs.detach() - prev) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq = _per_sequence(logprobs.detach() - prev, mask, mean=True)
     return (seq[:, None] + logprobs - logprobs.detach()).exp()
 
 
@@ -251,12 +257,9 @@ class ClippedPGLoss:
         if not cfg.use_importance_sampling_correction:
             return torch.ones_like(prev), torch.zeros_like(prev)
         log_w = (prev - gen).detach()
-        if cfg.importance_sampling_level != "token":
-            trained = mask > 0
-            log_w = torch.where(trained, log_w, torch.zeros_like(log_w)).sum(-1, keepdim=True)
-            if cfg.importance_sampling_level == "geometric":
-                log_w = log_w / trained.sum(-1, keepdim=True).clamp(min=1)
-            log_w = log_w.expand_as(prev)
+        if cfg.importance_sampling_level != "token":  # one weight per sequence, on each of its tokens
+            geometric = cfg.importance_sampling_level == "geometric"
+            log_w = _per_sequence(log_w, mask, mean=geometric)[:, None].expand_as(prev)
         w = log_w.exp()
         hi, lo = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
         if cfg.truncated_importance_sampling_type == "tis":
