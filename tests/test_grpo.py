@@ -203,3 +203,22 @@ def test_engine_sharing_the_trainer_weights_trains_like_copying_them(tmp_path):
             b["train/loss"],
             b["train/grad_norm"],
         )
+
+
+def test_a_prompt_drawn_twice_in_a_step_makes_two_groups(tmp_path):
+    """An epoch that ends inside a step (or a refill) can draw one prompt twice: each draw is its own
+    group with its own baseline, as in the asynchronous loop; pooling them by prompt id would give the
+    second, all-correct group advantages from the first one's misses."""
+    from posttrain.algorithms import grpo
+
+    run = grpo.setup(small_cfg(tmp_path, "colocated=false"), None)
+    ro = grpo.generate(run)
+    items = [ro.items[0], ro.items[0], *ro.items[2:]]  # the first prompt drawn twice
+    rewards = torch.tensor([1.0, 0.0] * 2 + [1.0] * 4 + [1.0, 0.0] * 2 + [0.0, 1.0] * 2)
+    failed = torch.zeros(len(rewards), dtype=torch.bool)
+    batch, _ = grpo.build_batch(run, grpo.Rollouts(items, ro.results, rewards, failed))
+    adv = batch["advantages"].sum(1) / batch["token_mask"].sum(1)  # one value per completion
+    assert adv[4:8].abs().max() == 0  # the all-correct draw: no signal
+    assert (adv[0:4].sign() == torch.tensor([1.0, -1.0, 1.0, -1.0])).all()
+    torch.testing.assert_close(adv[0:4], adv[8:12])  # same rewards, same advantages as a lone group
+    run.policy.shutdown()

@@ -401,7 +401,9 @@ def generate(run: Run) -> Rollouts:
 def build_batch(run: Run, ro: Rollouts):
     """The step's training batch (padded with masked rows to whole global batches) and its metrics."""
     g = run.cfg.grpo.num_generations_per_prompt
-    group_ids = torch.tensor([it.prompt_id for it in ro.items for _ in range(g)], dtype=torch.long)
+    # one group per drawn prompt, by position: a prompt drawn twice in a step (an epoch ends inside it,
+    # a refill draws it again) makes two groups with their own baselines, as in the asynchronous loop
+    group_ids = torch.arange(len(ro.items)).repeat_interleave(g)
     if not ro.results:  # nothing to train on: one fully masked row keeps the step well-formed
         first = run.task.train.items[0]
         eos = run.engine.eos_token_id or 0
