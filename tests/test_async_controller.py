@@ -32,7 +32,9 @@ from posttrain.algorithms.async_grpo.contracts import (
 )
 from posttrain.algorithms.async_grpo.controller import AsyncGRPOController
 from posttrain.algorithms.async_grpo.ledger import GroupState
+from posttrain.algorithms.async_grpo.pool import Request
 from posttrain.rollout.contracts import SamplesCodec
+from posttrain.tasks.datasets import PromptItem
 
 HARD_TIMEOUT_S = 10.0
 
@@ -48,6 +50,7 @@ def make(
     prepare=None,
     codec: SamplesCodec | None = None,
     batched: bool = False,
+    dataset: list | None = None,
     **overrides,
 ) -> tuple[AsyncGRPOController, FakeTrainer, list[FakeRolloutWorker]]:
     cfg = dict(
@@ -68,7 +71,7 @@ def make(
     trainer = trainer if trainer is not None else FakeTrainer()
     ctrl = AsyncGRPOController(
         AsyncGRPOConfig(**cfg),
-        fake_dataset(n_prompts),
+        fake_dataset(n_prompts) if dataset is None else dataset,
         workers,
         trainer,
         prepare or make_fake_prepare(),
@@ -176,6 +179,55 @@ def test_end_of_dataset_partial_final_step_and_epochs():
     assert [len(s) for s in trainer.steps] == [4, 4, 2]
     assert summary.steps == 3 and summary.data_exhausted
     check_ledger(ctrl, trainer)
+
+
+class ItemWorker(FakeRolloutWorker):
+    """A fake worker fed PromptItems (the engine workers' prompts): records (version, prompt id, repeat)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drawn: list[tuple[int, int, int]] = []
+
+    async def generate_group(self, prompt, weight_version):
+        self.drawn.append((weight_version, prompt.prompt_id, prompt.repeat))
+        return await super().generate_group({"id": prompt.prompt_id}, weight_version)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_prompt_sent_twice_at_the_same_weights_is_told_its_repeat(batched):
+    """Three prompts, eight groups out at once: each prompt goes out two or three times at version 0.
+    Each of those draws carries its own `repeat` (so the engine workers seed it apart), and a prompt's
+    first draw at each version has repeat 0 (the seeds of runs that never repeat a prompt are as
+    before)."""
+    items = [PromptItem(i, f"p{i}", [3, i], {}) for i in range(3)]
+    workers = [ItemWorker("w0", batched=batched, latency=0.005)]
+    ctrl, trainer, _ = make(
+        dataset=items,
+        workers=workers,
+        num_steps=3,
+        num_epochs=20,
+        max_in_flight_per_worker=8,
+        max_outstanding_groups=8,
+    )
+    bounded_run(ctrl.run())
+    drawn = workers[0].drawn
+    assert len(drawn) == len(set(drawn)), "two draws of one prompt at one version share a seed"
+    at_v0 = collections.Counter(pid for v, pid, _ in drawn if v == 0)
+    assert max(at_v0.values()) >= 2  # the case under test happened
+    for (v, pid), n in collections.Counter((v, pid) for v, pid, _ in drawn).items():
+        assert sorted(r for w, q, r in drawn if (w, q) == (v, pid)) == list(range(n))
+    check_workers(workers)
+    check_ledger(ctrl, trainer)
+
+
+def test_a_retried_group_keeps_its_repeat_at_the_same_version():
+    ctrl, _, _ = make(dataset=[PromptItem(i, f"p{i}", [3, i], {}) for i in range(2)])
+    pool = ctrl.pool
+    first, second = Request(0, 1), Request(1, 1)
+    assert pool._prompt(first, 5).repeat == 0 and pool._prompt(second, 5).repeat == 1
+    assert pool._prompt(second, 5).repeat == 1  # retried at version 5: drawn again identically
+    assert pool._prompt(second, 6).repeat == 0  # at version 6 it is that version's first draw
+    assert pool._prompt(first, 6).repeat == 1
 
 
 def test_num_steps_stops_with_work_in_flight():

@@ -109,6 +109,9 @@ def test_engine_worker_draws_seeded_groups_stamped_with_their_version(tmp_path):
         b = await worker.generate_group(prompt, 3)
         assert a.weight_version == 3 and a.num_samples == 4 and a.error is None
         assert [r.token_ids for r in a.samples.results] == [r.token_ids for r in b.samples.results]
+        # the same prompt drawn again at these weights (its repeat set by the controller): new samples
+        again = await worker.generate_group(dataclasses.replace(prompt, repeat=1), 3)
+        assert [r.token_ids for r in again.samples.results] != [r.token_ids for r in a.samples.results]
         # several groups in one call draw what they draw one by one (a retry may go either way)
         both = await worker.generate_groups([other, prompt], 3)
         for x, y in zip(both, blocking):

@@ -222,3 +222,30 @@ def test_a_prompt_drawn_twice_in_a_step_makes_two_groups(tmp_path):
     assert (adv[0:4].sign() == torch.tensor([1.0, -1.0, 1.0, -1.0])).all()
     torch.testing.assert_close(adv[0:4], adv[8:12])  # same rewards, same advantages as a lone group
     run.policy.shutdown()
+
+
+def test_group_seeds_give_a_prompt_drawn_twice_in_a_step_new_samples(tmp_path):
+    """With one seed per group (`grpo.sample_seeds=group`, the asynchronous loop's way), a prompt drawn
+    twice at the same weights must not draw the same completions twice: its second group is seeded by
+    its repeat. Three training prompts, four per step: every step holds a prompt twice."""
+    from posttrain.algorithms import grpo
+
+    cfg = small_cfg(
+        tmp_path,
+        "colocated=false",
+        "grpo.sample_seeds=group",
+        "task.operations=['+']",
+        "task.max_operand=1",
+        "task.eval_fraction=0.25",
+    )
+    run = grpo.setup(cfg, None)
+    assert len(run.task.train.items) == 3
+    g = cfg.grpo.num_generations_per_prompt
+    ro = grpo.generate(run)
+    ids = [it.prompt_id for it in ro.items]
+    twice = [p for p in set(ids) if ids.count(p) == 2]
+    assert len(twice) == 1 and sorted(it.repeat for it in ro.items if it.prompt_id == twice[0]) == [0, 1]
+    first, second = [i for i, p in enumerate(ids) if p == twice[0]]
+    groups = [[r.token_ids for r in ro.results[j * g : (j + 1) * g]] for j in (first, second)]
+    assert groups[0] != groups[1]
+    run.policy.shutdown()

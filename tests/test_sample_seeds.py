@@ -11,7 +11,7 @@ from posttrain.generation.params import SamplingParams
 from posttrain.models.hf import build_tiny_model
 from posttrain.rollout import episodes
 from posttrain.rollout.groups import group_seed, sample_groups
-from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.datasets import PromptItem, RepeatCounter
 
 VOCAB = 40
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=1.0, stop_at_eos=False)
@@ -53,3 +53,21 @@ def test_episodes_of_a_step_take_the_seed_of_their_group(monkeypatch):
     drawn.clear()
     episodes.play_step(None, None, Suite(), ITEMS, 3, SAMPLING, [11, 12, 13])
     assert drawn == [(0, 11, 0), (1, 12, 0), (2, 13, 0)]  # a seed per group: streams k
+
+
+def test_a_prompt_drawn_again_at_the_same_weights_draws_a_seed_of_its_own():
+    counter = RepeatCounter()
+    first = counter.mark(ITEMS[0], 3)
+    again = counter.mark(ITEMS[0], 3)
+    other = counter.mark(ITEMS[1], 3)
+    assert first is ITEMS[0] and other is ITEMS[1]  # first draws: the item itself, repeat 0
+    assert again.repeat == 1 and again.prompt_id == 0 and ITEMS[0].repeat == 0
+    assert counter.mark(ITEMS[0], 4).repeat == 0  # a new version starts the count again
+    seeds = {group_seed(5, 0, 3, r) for r in range(3)}
+    assert len(seeds) == 3 and group_seed(5, 0, 3) == group_seed(5, 0, 3, 0)
+    engine = GenerationEngine(build_tiny_model(VOCAB, seed=0))
+    items = [first, again]
+    groups = sample_groups(
+        engine, items, 4, SAMPLING, [group_seed(5, it.prompt_id, 3, it.repeat) for it in items]
+    )
+    assert [r.token_ids for r in groups[:4]] != [r.token_ids for r in groups[4:]]

@@ -50,7 +50,7 @@ from posttrain.rollout.groups import check_context, engine_config, group_seed, p
 from posttrain.rollout.reward_model import RewardModel, RewardModelConfig
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import Trajectory
-from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.datasets import PromptItem, RepeatCounter
 from posttrain.tasks.task import Task
 
 log = get_logger(__name__)
@@ -308,7 +308,7 @@ def sample_seeds(run: Run, items: list[PromptItem], salt: int) -> int | list[int
     the asynchronous loop's."""
     loop = run.cfg.grpo
     if loop.sample_seeds == "group":
-        return [group_seed(loop.seed, it.prompt_id, run.engine.weight_version) for it in items]
+        return [group_seed(loop.seed, it.prompt_id, run.engine.weight_version, it.repeat) for it in items]
     return step_seed(loop.seed, run.step, salt)
 
 
@@ -354,12 +354,14 @@ def generate(run: Run) -> Rollouts:
     colocated_generation_start(run)
     kept_items, kept_results, kept_rewards, kept_failed = [], [], [], []
     dropped, summaries, drawn = 0, [], []
+    repeats = RepeatCounter()  # a prompt drawn again this step (an epoch's end, a refill): its own seed
     t_reward = 0.0
     for attempt in range(1 + (loop.dynamic_sampling_max_refills if loop.dynamic_sampling else 0)):
         need = loop.num_prompts_per_step - len(kept_items)
         if need <= 0:
             break
         items = run.task.train.next_batch(need if attempt else loop.num_prompts_per_step)
+        items = [repeats.mark(it, run.engine.weight_version) for it in items]
         results, rewards, failed, summary, seconds = draw(run, items, salt=attempt)
         t_reward += seconds
         summaries.append(summary)

@@ -33,8 +33,9 @@ class GRPOLoopConfig(GroupConfig):
         description="step: one seed per step's prompt batch (sample i of the step draws random stream i); "
         "group: each group draws streams 0..G-1 of a seed of (grpo.seed, prompt id, weight version), as "
         "grpo-async always does, so a synchronous run and an asynchronous one at max_staleness=0 draw the "
-        "same samples (common random numbers for comparing the two loops); a prompt drawn twice at the same "
-        "weights (twice in one step, or a dynamic-sampling refill of it) then draws the same group again",
+        "same samples (common random numbers for comparing the two loops); a prompt drawn again at the same "
+        "weights (twice in one step, or a dynamic-sampling refill of it) adds its repeat count to the seed, "
+        "so it draws a new group",
     )
     val_period: int = Field(10, ge=0, description="validate every N steps (0 = never during training)")
     val_at_start: bool = Field(True, description="validate before the first step")

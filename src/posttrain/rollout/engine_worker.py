@@ -4,9 +4,10 @@ process; rollout/ray_worker.py runs one in a Ray actor).
 
 It samples and scores with the same helpers as the synchronous loop (rollout/groups.py): failed rewards
 are marked and masked, never 0. Departures from the synchronous loop:
-- a group is drawn with a seed derived from (seed, prompt id, weight version) (`group_seed`), sample k
-  from the engine's random stream k of that seed, so a group retried after its worker died is drawn
-  again identically, whatever worker takes it; the G requests of all the groups of a call enter the
+- a group is drawn with a seed derived from (seed, prompt id, weight version) (`group_seed`; and the
+  prompt's `repeat` when the controller sends one prompt again at the same weights), sample k from the
+  engine's random stream k of that seed, so a group retried after its worker died is drawn again
+  identically, whatever worker takes it; the G requests of all the groups of a call enter the
   engine together;
 - the rewards of a call's groups run in one call on a thread once they are generated.
   `task.reward.max_failed_fraction` is checked per step by the trainer side, not per group; a
@@ -165,7 +166,7 @@ class EngineRolloutWorker(RolloutWorker):
             prompts,
             g,
             self.cfg.sampling,
-            lambda i: (group_seed(seed, prompts[i].prompt_id, weight_version), 0),
+            lambda i: (group_seed(seed, prompts[i].prompt_id, weight_version, prompts[i].repeat), 0),
         )
         seconds = time.perf_counter() - t0
         out = []
@@ -182,7 +183,7 @@ class EngineRolloutWorker(RolloutWorker):
     def _requests(self, prompt: PromptItem, weight_version: int) -> tuple[list[int], Any]:
         """A group's prompt and sampling parameters: its G requests share them, with the group's seed
         (request k draws from stream k of it)."""
-        seed = group_seed(self.cfg.group.seed, prompt.prompt_id, weight_version)
+        seed = group_seed(self.cfg.group.seed, prompt.prompt_id, weight_version, prompt.repeat)
         return list(prompt.prompt_token_ids), self.cfg.sampling.model_copy(update={"seed": seed})
 
     async def _generate(

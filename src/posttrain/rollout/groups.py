@@ -37,9 +37,13 @@ def step_seed(seed: int, step: int, salt: int) -> int:
     return derive_seed(seed, _STEP, step, salt)
 
 
-def group_seed(seed: int, prompt_id: int, weight_version: int) -> int:
+def group_seed(seed: int, prompt_id: int, weight_version: int, repeat: int = 0) -> int:
     """The seed of one asynchronous group: the same prompt at the same weights draws the same
-    completions, whatever worker generates it (a retried group is drawn again identically)."""
+    completions, whatever worker generates it (a retried group is drawn again identically); a prompt
+    drawn again at the same weights (`repeat` > 0: a dataset smaller than the groups out at once, an
+    epoch ending inside a step) draws a seed of its own, not a copy of its first group."""
+    if repeat:
+        return derive_seed(seed, _GROUP, prompt_id, weight_version, repeat)
     return derive_seed(seed, _GROUP, prompt_id, weight_version)
 
 

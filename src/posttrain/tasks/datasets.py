@@ -18,8 +18,9 @@ import hashlib
 import importlib
 import json
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,13 +110,40 @@ class PromptItem:
 
     `prompt_id` is stable within its dataset (the source row index), `prompt` is the formatted text,
     `prompt_token_ids` its tokens, and `metadata` what the reward function gets for it (the gold answer
-    under 'answer', the raw prompt under 'problem').
+    under 'answer', the raw prompt under 'problem'). `repeat` counts the earlier draws of this prompt
+    at the same weights (in one synchronous step, or while one weight version is out): 0 for the first;
+    the loops set it (`RepeatCounter`) so that a prompt drawn twice gets a seed of its own.
     """
 
     prompt_id: int
     prompt: str
     prompt_token_ids: list[int]
     metadata: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 0
+
+
+class RepeatCounter:
+    """Numbers the draws of each prompt at one weight version (0, 1, ...), starting over when the
+    version changes: the `repeat` of PromptItem that keeps two draws of one prompt at the same weights
+    from sharing a group seed."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.counts: Counter[int] = Counter()
+
+    def next(self, prompt_id: int, weight_version: int) -> int:
+        """How many times `prompt_id` was drawn at `weight_version` before this draw."""
+        if weight_version != self.version:
+            self.version, self.counts = weight_version, Counter()
+        n = self.counts[prompt_id]
+        self.counts[prompt_id] = n + 1
+        return n
+
+    def mark(self, item: PromptItem, weight_version: int) -> PromptItem:
+        """`item` as this draw of it: the same object on its first draw at this version, else a copy
+        with its `repeat` set."""
+        n = self.next(item.prompt_id, weight_version)
+        return item if n == 0 else replace(item, repeat=n)
 
 
 def _require(module: str, purpose: str) -> Any:

@@ -23,6 +23,7 @@ controller to raise.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState, Le
 from posttrain.algorithms.async_grpo.meters import BusyMeter, StepMeter
 from posttrain.logging import get_logger
 from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
-from posttrain.tasks.datasets import PromptCursor
+from posttrain.tasks.datasets import PromptCursor, PromptItem, RepeatCounter
 
 log = get_logger(__name__)
 
@@ -53,6 +54,7 @@ class Request:
     group_id: int
     prompt_id: int
     retries: int = 0
+    repeat: tuple[int, int] | None = None  # (weight version, earlier draws of the prompt at it)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class RolloutPool:
         self.on_group = on_group
         self.held = held
         self.cursor = cursor
+        self.repeats = RepeatCounter()  # a prompt drawn again at the same weights gets its own seed
         self.next_group_id = 0
         self.retry: deque[Request] = deque()
         self.in_flight: dict[int, tuple[_Slot, Request, asyncio.Task]] = {}
@@ -310,7 +313,7 @@ class RolloutPool:
     def _dispatch(self, slot: _Slot, reqs: list[Request]) -> None:
         version = slot.request_version()
         assert version is not None
-        prompts = [self.dataset[r.prompt_id] for r in reqs]
+        prompts = [self._prompt(r, version) for r in reqs]
         # the request may first wait for its weights to load, and, on a worker that runs its calls one
         # at a time, for the requests in flight there: their bounds are added to its own
         extra = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
@@ -324,6 +327,17 @@ class RolloutPool:
             slot.meter.start()
         ids = [r.group_id for r in reqs]
         task.add_done_callback(functools.partial(self._on_request_done, ids, version))
+
+    def _prompt(self, req: Request, version: int) -> Any:
+        """The prompt `req` sends at `version`: a PromptItem with its `repeat` at that version (kept
+        by a retry at the same version, so it draws again identically); other prompts as they are."""
+        item = self.dataset[req.prompt_id]
+        if not isinstance(item, PromptItem):
+            return item
+        if req.repeat is None or req.repeat[0] != version:
+            req.repeat = (version, self.repeats.next(item.prompt_id, version))
+        n = req.repeat[1]
+        return item if n == 0 else dataclasses.replace(item, repeat=n)
 
     async def _generate(
         self, slot: _Slot, reqs: list[Request], prompts: list[Any], version: int, extra_s: float
