@@ -142,8 +142,12 @@ class RepeatCounter:
     def mark(self, item: PromptItem, weight_version: int) -> PromptItem:
         """`item` as this draw of it: the same object on its first draw at this version, else a copy
         with its `repeat` set."""
-        n = self.next(item.prompt_id, weight_version)
-        return item if n == 0 else replace(item, repeat=n)
+        return as_repeat(item, self.next(item.prompt_id, weight_version))
+
+
+def as_repeat(item: PromptItem, repeat: int) -> PromptItem:
+    """`item` drawn for the `repeat`-th time at the same weights: itself for 0, else a copy with it set."""
+    return item if repeat == 0 else replace(item, repeat=repeat)
 
 
 def _require(module: str, purpose: str) -> Any:

@@ -23,7 +23,6 @@ controller to raise.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from posttrain.algorithms.async_grpo.ledger import BufferedGroup, GroupState, Le
 from posttrain.algorithms.async_grpo.meters import BusyMeter, StepMeter
 from posttrain.logging import get_logger
 from posttrain.rollout.contracts import GroupResult, RolloutFailure, RolloutWorker, WorkerLostError
-from posttrain.tasks.datasets import PromptCursor, PromptItem, RepeatCounter
+from posttrain.tasks.datasets import PromptCursor, PromptItem, RepeatCounter, as_repeat
 
 log = get_logger(__name__)
 
@@ -336,8 +335,7 @@ class RolloutPool:
             return item
         if req.repeat is None or req.repeat[0] != version:
             req.repeat = (version, self.repeats.next(item.prompt_id, version))
-        n = req.repeat[1]
-        return item if n == 0 else dataclasses.replace(item, repeat=n)
+        return as_repeat(item, req.repeat[1])
 
     async def _generate(
         self, slot: _Slot, reqs: list[Request], prompts: list[Any], version: int, extra_s: float
