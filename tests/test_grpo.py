@@ -249,3 +249,57 @@ def test_group_seeds_give_a_prompt_drawn_twice_in_a_step_new_samples(tmp_path):
     groups = [[r.token_ids for r in ro.results[j * g : (j + 1) * g]] for j in (first, second)]
     assert groups[0] != groups[1]
     run.policy.shutdown()
+
+
+def test_after_a_step_that_trains_nothing_a_prompt_drawn_again_draws_new_samples(tmp_path, monkeypatch):
+    """Every group flat and dropped (dynamic sampling, no refills): the step trains nothing and the
+    weights keep their version, so the next step draws at the same weights. Under group seeds its draws
+    of the same prompts count on from the last step's (one counter per run, saved in checkpoints): new
+    samples, and a run resumed after the empty step draws what the uninterrupted run drew."""
+    from posttrain.algorithms import grpo
+
+    (tmp_path / "flat_reward.py").write_text(
+        "def reward(prompts, completions, metadata):\n    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    drawn: dict[str, list] = {}
+    sample = grpo.sample_groups
+
+    def spy(run, items, salt):
+        results = sample(run, items, salt)
+        g = run.cfg.grpo.num_generations_per_prompt
+        for j, it in enumerate(items):
+            groups = tuple(tuple(r.token_ids) for r in results[j * g : (j + 1) * g])
+            drawn[run.cfg.output_dir].append((run.step, run.engine.weight_version, it.prompt_id, groups))
+        return results
+
+    monkeypatch.setattr(grpo, "sample_groups", spy)
+
+    def cfg(out, steps):
+        drawn.setdefault(str(out), [])
+        return small_cfg(
+            out,
+            "colocated=false",
+            "grpo.sample_seeds=group",
+            "task.operations=['+']",
+            "task.max_operand=1",
+            "task.eval_fraction=0.25",
+            "task.reward_fn=flat_reward:reward",
+            "grpo.dynamic_sampling=true",
+            "grpo.dynamic_sampling_max_refills=0",
+            f"grpo.max_num_steps={steps}",
+            "grpo.val_period=0",
+            "grpo.val_at_start=false",
+            "checkpointing.save_period=1",
+        )
+
+    run_grpo(cfg(tmp_path / "full", 2))
+    full = drawn[str(tmp_path / "full")]
+    assert {(s, v) for s, v, _, _ in full} == {(1, 0), (2, 0)}  # both steps at the first weights
+    for s2, _, p2, g2 in full:
+        if s2 == 2:
+            assert all(g1 != g2 for s1, _, p1, g1 in full if s1 == 1 and p1 == p2), p2
+    run_grpo(cfg(tmp_path / "resumed", 1))
+    run_grpo(cfg(tmp_path / "resumed", 2))
+    resumed = [d for d in drawn[str(tmp_path / "resumed")] if d[0] == 2]
+    assert resumed == [d for d in full if d[0] == 2]

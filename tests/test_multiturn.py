@@ -181,3 +181,23 @@ def test_killing_a_rollout_actor_mid_trajectory_loses_no_sample(tmp_path, ray_se
     counts = ledger.counts()
     assert counts["trained"] == sum(counts.values()) == 36 and summary.data_exhausted
     assert all(ledger.ended(g) for g in in_flight_at_kill) and summary.totals["retried"] >= 1
+
+
+def test_a_steps_episode_metrics_weight_each_draw_by_its_samples_and_sum_the_failures():
+    """A step with dynamic-sampling refills scores several draws of different sizes: its means are
+    over samples (a draw of 12 counts less than one of 16), its failed episodes a total."""
+    from posttrain.rollout.episodes import mean_episode_metrics, mean_metrics
+
+    draws = [
+        {"env/turns": 1.625, "env/failed": 1.0},
+        {"env/turns": 2.0, "env/failed": 2.0},
+        {"env/turns": 2.5},
+    ]
+    got = mean_episode_metrics(draws, [16, 12, 12])
+    assert got["env/turns"] == pytest.approx((1.625 * 16 + 2.0 * 12 + 2.5 * 12) / 40)
+    assert got["env/failed"] == 3.0
+    assert mean_episode_metrics(draws)["env/turns"] == pytest.approx(
+        (1.625 + 2.0 + 2.5) / 3
+    )  # groups of one size
+    parts = [{"reward/task": 1.0, "other": 5.0}, {"reward/task": 0.0}]
+    assert mean_metrics(parts, "reward/", [3, 1]) == {"reward/task": 0.75}

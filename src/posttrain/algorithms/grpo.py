@@ -154,6 +154,9 @@ class Run:
     companions: dict[str, Policy] = field(default_factory=dict)  # trained beside the policy (PPO's critic)
     step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    # draws of each prompt at the engine's weight version: a prompt drawn again at the same weights (later
+    # in the step, or in the next step when this one trained nothing) is seeded apart (sample_seeds=group)
+    repeats: RepeatCounter = field(default_factory=RepeatCounter)
 
     @contextlib.contextmanager
     def timed(self, name: str):
@@ -353,18 +356,18 @@ def generate(run: Run) -> Rollouts:
     g = loop.num_generations_per_prompt
     colocated_generation_start(run)
     kept_items, kept_results, kept_rewards, kept_failed = [], [], [], []
-    dropped, summaries, drawn = 0, [], []
-    repeats = RepeatCounter()  # a prompt drawn again this step (an epoch's end, a refill): its own seed
+    dropped, summaries, sizes, drawn = 0, [], [], []
     t_reward = 0.0
     for attempt in range(1 + (loop.dynamic_sampling_max_refills if loop.dynamic_sampling else 0)):
         need = loop.num_prompts_per_step - len(kept_items)
         if need <= 0:
             break
         items = run.task.train.next_batch(need if attempt else loop.num_prompts_per_step)
-        items = [repeats.mark(it, run.engine.weight_version) for it in items]
+        items = [run.repeats.mark(it, run.engine.weight_version) for it in items]
         results, rewards, failed, summary, seconds = draw(run, items, salt=attempt)
         t_reward += seconds
         summaries.append(summary)
+        sizes.append(len(rewards))
         drawn.append(rewards[~failed])
         group_ids = torch.arange(len(items)).repeat_interleave(g)
         flat = zero_variance_groups(rewards, group_ids, ~failed) if loop.dynamic_sampling else set()
@@ -395,8 +398,9 @@ def generate(run: Run) -> Rollouts:
         / max(len(kept_results), 1),
         "timing/reward_s": t_reward,
     }
-    metrics.update(episodes.mean_episode_metrics(summaries))  # environments: the draws' mean
-    metrics.update(episodes.mean_metrics(summaries, "reward/"))  # a reward model's and the task's parts
+    # environments, a reward model's and the task's parts: the draws' means, weighted by their samples
+    metrics.update(episodes.mean_episode_metrics(summaries, sizes))
+    metrics.update(episodes.mean_metrics(summaries, "reward/", sizes))
     return Rollouts(kept_items, kept_results, rewards, failed, metrics)
 
 
@@ -525,7 +529,12 @@ def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
 
 
 def loop_state(run: Run) -> dict[str, Any]:
-    return {"step": run.step, "train_data": run.task.train.state_dict(), "config": _resume_view(run.cfg)}
+    return {
+        "step": run.step,
+        "train_data": run.task.train.state_dict(),
+        "repeats": run.repeats.state_dict(),
+        "config": _resume_view(run.cfg),
+    }
 
 
 def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
@@ -539,5 +548,7 @@ def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
         other.load_checkpoint(str(ckpt.companion_path(ckpt.resumed, name)))
     run.step = int(extra["step"])
     run.task.train.load_state_dict(extra["train_data"])
+    if "repeats" in extra:  # absent from checkpoints written before it existed: nothing to count on
+        run.repeats.load_state_dict(extra["repeats"])
     sync_weights(run)
     return dict(extra.get("metrics", {}))

@@ -25,7 +25,13 @@ class GRPOLoopConfig(GroupConfig):
 
     num_prompts_per_step: int = Field(16, ge=1, description="prompts per step, each sampled as a group")
     max_num_steps: int = Field(50, ge=0, description="train until this step (a resumed run too)")
-    max_num_epochs: int = Field(1000, ge=1, description="stop after this many passes over the prompts")
+    max_num_epochs: int = Field(
+        1000,
+        ge=1,
+        description="stop after this many passes over the prompts, checked between steps: a step is always "
+        "whole, so the one that ends the last pass draws the rest of its batch (and any dynamic-sampling "
+        "refill) from the next pass (grpo-async's async_grpo.num_epochs draws each prompt exactly that often)",
+    )
     dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
     dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
     sample_seeds: Literal["step", "group"] = Field(

@@ -94,19 +94,30 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
 
 
-def mean_metrics(summaries: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """The metrics under `prefix` of several draws or groups, averaged (each over the summaries that
-    have it)."""
+_COUNTS = ("env/failed",)  # summed over draws or groups, never averaged
+
+
+def mean_metrics(
+    summaries: list[dict[str, float]], prefix: str, weights: list[float] | None = None
+) -> dict[str, float]:
+    """The metrics under `prefix` of several draws or groups: means weighted by `weights` (each
+    summary's samples; None: equal), each over the summaries that have it; counts (`_COUNTS`) summed."""
+    weights = [1.0] * len(summaries) if weights is None else weights
     out = {}
     for key in sorted({k for s in summaries for k in s if k.startswith(prefix)}):
-        values = [s[key] for s in summaries if key in s]
-        out[key] = sum(values) / len(values)
+        pairs = [(s[key], w) for s, w in zip(summaries, weights) if key in s]
+        if key in _COUNTS:
+            out[key] = float(sum(v for v, _ in pairs))
+        else:
+            out[key] = sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1e-12)
     return out
 
 
-def mean_episode_metrics(summaries: list[dict[str, float]]) -> dict[str, float]:
-    """The `env/` metrics of several draws or groups, averaged."""
-    return mean_metrics(summaries, "env/")
+def mean_episode_metrics(
+    summaries: list[dict[str, float]], weights: list[float] | None = None
+) -> dict[str, float]:
+    """The `env/` metrics of several draws or groups (see `mean_metrics`)."""
+    return mean_metrics(summaries, "env/", weights)
 
 
 def validate_env(

@@ -125,7 +125,8 @@ class PromptItem:
 class RepeatCounter:
     """Numbers the draws of each prompt at one weight version (0, 1, ...), starting over when the
     version changes: the `repeat` of PromptItem that keeps two draws of one prompt at the same weights
-    from sharing a group seed."""
+    from sharing a group seed. One counter lives as long as its run (a step that trains nothing keeps
+    the version, so the next step's draws count on) and is saved with it (`state_dict`)."""
 
     def __init__(self) -> None:
         self.version: int | None = None
@@ -138,6 +139,14 @@ class RepeatCounter:
         n = self.counts[prompt_id]
         self.counts[prompt_id] = n + 1
         return n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The version counted and each prompt's draws at it (JSON-safe: a checkpoint's loop state)."""
+        return {"version": self.version, "counts": sorted(self.counts.items())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = state["version"]
+        self.counts = Counter({int(p): int(n) for p, n in state["counts"]})
 
     def mark(self, item: PromptItem, weight_version: int) -> PromptItem:
         """`item` as this draw of it: the same object on its first draw at this version, else a copy
