@@ -230,6 +230,55 @@ def test_a_retried_group_keeps_its_repeat_at_the_same_version():
     assert pool._prompt(first, 6).repeat == 1
 
 
+def test_a_resumed_run_never_draws_a_saved_group_again_with_its_seed():
+    """A checkpoint seals groups drawn at its own version (a prompt drawn twice there has repeats 0 and
+    1); the resumed run publishes that version again, so its draws of those prompts must count on from
+    the saved draws (the controller saves its repeat counter), or it would draw a saved group's seed
+    again and train that group twice."""
+    codec = SamplesCodec(encode=lambda s: s, decode=lambda s: s)
+    items = [PromptItem(i, f"p{i}", [3, i], {}) for i in range(3)]
+    setting = dict(
+        dataset=items, codec=codec, num_epochs=40, max_in_flight_per_worker=8, max_outstanding_groups=8
+    )
+    first = [ItemWorker("w0", latency=0.005)]
+    ctrl, _, _ = make(workers=first, trainer=FakeTrainer(train_latency=0.002), num_steps=4, **setting)
+    saved: dict = {}
+
+    async def on_step(step, metrics):
+        if step == 2:
+            saved["state"] = json.loads(json.dumps(await ctrl.checkpoint_state()))
+            saved["drawn"] = list(first[0].drawn)
+
+    bounded_run(ctrl.run(on_step))
+    state = saved["state"]
+    version = state["trainer_version"]
+    prompt_of = {g: p for g, p, _ in state["requeue"]}
+    requeued = {(v, prompt_of[g], n) for g, v, n in state["requeue_repeats"]}
+    kept = set(saved["drawn"]) - requeued  # drawn before the save and kept: trained, or saved with samples
+    assert any(v == version for v, _, _ in kept), "no group of the saved version: nothing checked"
+    again = [ItemWorker("w0", latency=0.005)]
+    resumed, _, _ = make(workers=again, trainer=FakeTrainer(start_version=version), num_steps=4, **setting)
+    resumed.load_state_dict(state)
+    bounded_run(resumed.run())
+    assert not kept & set(again[0].drawn), "a resumed run drew a kept group's seed again"
+    check_workers(again)
+
+
+def test_a_request_waiting_for_a_load_is_bounded_for_the_requests_the_load_waits_for():
+    """A worker that loads between requests takes a request for the version it is being pushed: the
+    request waits for the load, which waits for the requests in flight there. Its bound adds the load's
+    (weight_sync_timeout_s) and theirs (request_timeout_s each), else a healthy worker is timed out."""
+    worker = FakeRolloutWorker("w0", loads_between_requests=True)
+    ctrl, _, _ = make(workers=[worker], request_timeout_s=0.3, weight_sync_timeout_s=0.1)
+    ctrl.pool.start()
+    slot = ctrl.pool.slots[0]
+    assert ctrl.pool._waits_s(slot) == 0.0  # nothing to wait for
+    slot.in_flight = {1, 2}
+    assert ctrl.pool._waits_s(slot) == 0.0  # requests run side by side on this worker
+    slot.update = asyncio.Future(loop=asyncio.new_event_loop())  # a push in progress
+    assert ctrl.pool._waits_s(slot) == pytest.approx(0.1 + 2 * 0.3)
+
+
 def test_num_steps_stops_with_work_in_flight():
     ctrl, trainer, _ = make(40, num_steps=2, max_staleness=3)
     summary = bounded_run(ctrl.run())

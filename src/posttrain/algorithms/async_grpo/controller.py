@@ -399,6 +399,10 @@ class AsyncGRPOController:
             "requeue": [
                 [r.group_id, r.prompt_id, r.retries] for r in sorted(requeue, key=lambda r: r.group_id)
             ],
+            # draws of each prompt at the current version, and the draw of each request to regenerate: a
+            # resumed run must not draw a saved group again with its seed
+            "repeats": self.pool.repeats.state_dict(),
+            "requeue_repeats": sorted([r.group_id, *r.repeat] for r in requeue if r.repeat is not None),
             "buffer": buffer,
             "meter": self.meter.state_dict(),
         }
@@ -419,7 +423,10 @@ class AsyncGRPOController:
         self.pool.next_group_id = int(state["next_group_id"])
         self.sampler.load_state_dict(state["sampler"])
         self.meter.load_state_dict(state["meter"])
-        self.pool.restore([Request(*item) for item in state["requeue"]])
+        repeats = {g: (int(v), int(n)) for g, v, n in state.get("requeue_repeats", [])}
+        self.pool.restore([Request(g, p, r, repeats.get(g)) for g, p, r in state["requeue"]])
+        if "repeats" in state:  # states saved before it existed count afresh
+            self.pool.repeats.load_state_dict(state["repeats"])
         for item in state["buffer"]:
             assert self.samples_codec is not None
             fields = {k: item[k] for k in _BUFFER_KEYS}

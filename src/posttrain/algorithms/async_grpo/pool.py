@@ -313,12 +313,7 @@ class RolloutPool:
         version = slot.request_version()
         assert version is not None
         prompts = [self._prompt(r, version) for r in reqs]
-        # the request may first wait for its weights to load, and, on a worker that runs its calls one
-        # at a time, for the requests in flight there: their bounds are added to its own
-        extra = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
-        if slot.worker.serial_calls:
-            extra += self.cfg.request_timeout_s * len(slot.in_flight)
-        task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version, extra))
+        task = asyncio.ensure_future(self._generate(slot, reqs, prompts, version, self._waits_s(slot)))
         for req in reqs:
             self.ledger.move(req.group_id, GroupState.IN_FLIGHT)
             self.in_flight[req.group_id] = (slot, req, task)
@@ -326,6 +321,15 @@ class RolloutPool:
             slot.meter.start()
         ids = [r.group_id for r in reqs]
         task.add_done_callback(functools.partial(self._on_request_done, ids, version))
+
+    def _waits_s(self, slot: _Slot) -> float:
+        """The seconds a call sent to `slot` now may wait before its own work, added to its bound: for
+        the weights loading there (weight_sync_timeout_s), and for the requests in flight there
+        (request_timeout_s each) when it runs its calls one at a time or when that load waits for them."""
+        waits = self.cfg.weight_sync_timeout_s if slot.update is not None else 0.0
+        if slot.worker.serial_calls or slot.update is not None:
+            waits += self.cfg.request_timeout_s * len(slot.in_flight)
+        return waits
 
     def _prompt(self, req: Request, version: int) -> Any:
         """The prompt `req` sends at `version`: a PromptItem with its `repeat` at that version (kept
