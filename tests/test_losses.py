@@ -346,3 +346,56 @@ def test_dr_grpo_needs_its_constant():
 
     cfg = with_completion_length(ClippedPGConfig(loss_type="dr_grpo"), 16)
     assert ClippedPGLoss(cfg).constant == 16
+
+
+def test_an_overflowing_sequence_weight_is_masked_by_icepop_not_nan():
+    """The product of 2000 token ratios of e^0.05 is e^100: inf in fp32. icepop must mask that sequence
+    (weight 0), leaving the other row's loss and gradient as if the masked row had no advantage."""
+    from posttrain.data.batch import make_batch
+
+    t = 2001
+    torch.manual_seed(0)
+    gen = -torch.rand(2, t) - 0.5
+    prev = gen.clone()
+    prev[0] += 0.05
+    prev[1] += 0.0001
+    gen[:, 0] = prev[:, 0] = 0
+
+    def batch_with(adv_row0: float):
+        return make_batch(
+            input_ids=torch.randint(4, 50, (2, t)),
+            input_lengths=torch.full((2,), t),
+            token_mask=torch.ones(2, t),
+            sample_mask=torch.ones(2),
+            advantages=torch.tensor([[adv_row0], [-1.0]]).expand(2, t).clone(),
+            generation_logprobs=gen,
+            prev_logprobs=prev,
+        )
+
+    loss_fn = ClippedPGLoss(
+        use_importance_sampling_correction=True,
+        importance_sampling_level="sequence",
+        truncated_importance_sampling_type="icepop",
+    )
+    one = torch.ones(())
+    grads = []
+    for adv in (1.0, 0.0):
+        lp = prev.clone().requires_grad_(True)
+        loss, metrics = loss_fn(lp, batch_with(adv), one, one)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+        grads.append((loss.detach(), lp.grad))
+    assert grads[0][0] == grads[1][0] and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][1][0].abs().max() == 0 and grads[0][1][1].abs().max() > 0
+
+
+def test_a_sequence_level_weight_without_a_bound_is_refused():
+    with pytest.raises(ValueError, match="set truncated_importance_sampling_type=tis"):
+        ClippedPGLoss(use_importance_sampling_correction=True, importance_sampling_level="sequence")
+    for bounded in (
+        {"truncated_importance_sampling_type": "tis"},
+        {"importance_sampling_level": "geometric"},
+    ):
+        ClippedPGLoss(
+            use_importance_sampling_correction=True, **{"importance_sampling_level": "sequence", **bounded}
+        )

@@ -347,6 +347,35 @@ def test_router_losses_equal_a_direct_computation_and_join_the_loss(tmp_path, mo
     assert got["loss"] == pytest.approx(base["loss"] + 0.1 * want_aux + 0.01 * want_z, rel=1e-5)
 
 
+def test_rows_inert_to_the_policy_loss_still_feed_the_router_losses(tmp_path):
+    """A row whose advantages are all 0 adds nothing to the policy-gradient loss, so the trainer may skip
+    it (skip_inert_rows), but its tokens still go through the routers: with router losses on, no row is
+    inert and the step is the same with skipping on or off."""
+    from conftest import random_batch
+    from helpers import params_of
+    from posttrain.algorithms.losses import ClippedPGLoss
+
+    path = saved_moe(tmp_path)
+    batch = random_batch(8, 14, rl=True)
+    batch["advantages"][[1, 2, 6]] = 0.0  # three rows of groups with equal rewards
+    steps = {}
+    for skip in (False, True):
+        policy = Policy(
+            policy_cfg(
+                model={"name": str(path)},
+                optimizer={"name": "torch.optim.SGD", "lr": 1.0},
+                microbatch={"train_micro_batch_size": 2, "skip_inert_rows": skip},
+                moe={"aux_loss_coef": 0.1, "z_loss_coef": 0.01},
+            )
+        )
+        steps[skip] = (policy.train(batch.clone(), ClippedPGLoss()), params_of(policy))
+        policy.shutdown()
+    (off, p_off), (on, p_on) = steps[False], steps[True]
+    assert on.get("inert_seqs_skipped", 0) == 0
+    assert on["moe_aux_loss"] == pytest.approx(off["moe_aux_loss"], rel=1e-6)
+    assert all(torch.equal(p_on[k], p_off[k]) for k in p_off)
+
+
 @pytest.mark.slow
 def test_the_moe_demo_config_gains_25_points(tmp_path):
     """configs/grpo_arithmetic_moe.yaml (250 of its 400 GRPO steps): SFT warm start of the tiny Qwen3-MoE,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from tensordict import TensorDict
 
 from posttrain.config import Config
@@ -173,6 +173,22 @@ class ClippedPGConfig(Config):
         "exp of the mean token log-ratio, clipped per sequence (pair it with token_level_loss=false and "
         "clip ranges of ~3e-4/4e-4 as the GSPO paper does)",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ClippedPGConfig:
+        if (
+            self.use_importance_sampling_correction
+            and self.importance_sampling_level == "sequence"
+            and self.truncated_importance_sampling_type is None
+        ):
+            raise ValueError(
+                "importance_sampling_level=sequence multiplies the token ratios of a whole completion, "
+                "which overflows fp32 (a product above e^88 is inf and makes the step's loss NaN) unless it "
+                "is bounded: set truncated_importance_sampling_type=tis (cap) or icepop (mask), or use "
+                "importance_sampling_level=geometric"
+            )
+        return self
+
     force_on_policy_ratio: bool = Field(
         False,
         description="the step is one optimizer step at the weights that made the batch's prev logprobs, "
@@ -267,7 +283,7 @@ class ClippedPGLoss:
             w = w.clamp(max=hi)
         elif cfg.truncated_importance_sampling_type == "icepop":
             oob = ((w > hi) | (w < lo)).float()
-            w = w * (1 - oob)
+            w = torch.where(oob > 0, torch.zeros_like(w), w)  # not w * (1 - oob): an overflowed w is inf
         else:
             oob = torch.zeros_like(w)
         return w, oob

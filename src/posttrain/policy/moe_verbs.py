@@ -94,6 +94,8 @@ class RouterLosses:
         self.layout: Any = None
         self.outputs: list = []
 
+    inert_rows = None  # the router losses take every row: none is inert, whatever the base loss says
+
     def __getattr__(self, name: str) -> Any:  # loss_type, required_keys, head, row_group: the base's
         return getattr(self.base, name)
 
