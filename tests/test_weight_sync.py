@@ -112,6 +112,25 @@ def test_in_process_share_sync_follows_the_trainer():
         torch.testing.assert_close(v, snapshot[k], rtol=0, atol=0)
 
 
+def test_a_share_that_fails_part_way_still_counts_as_sharing():
+    """share_weights refused at its last tensor (a name the model lacks) has already aliased the others:
+    the engine must treat itself as sharing, so a later copy-load detaches before writing (never into
+    the trainer's tensors) and generation stays refused until a load completes."""
+    trainer = build_tiny_model(VOCAB, seed=31)
+    engine = GenerationEngine(*build_engine_parts())
+    bad = {**trainer.state_dict(), "not.a.weight": torch.zeros(1)}
+    with pytest.raises(ValueError):
+        engine.share_weights(bad, version=1)
+    with pytest.raises(EngineStateError):
+        engine.generate(PROMPTS, GREEDY)
+    snapshot = {k: v.clone() for k, v in trainer.state_dict().items()}
+    other = build_tiny_model(VOCAB, seed=7).state_dict()
+    engine.load_weights(other, version=2)
+    for k, v in trainer.state_dict().items():
+        torch.testing.assert_close(v, snapshot[k], rtol=0, atol=0)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == fresh_outputs(other)
+
+
 def test_share_sync_probes_again_when_a_tensor_is_re_pointed():
     policy = Policy(policy_cfg())
     engine = share_engine(policy)
@@ -321,6 +340,21 @@ def test_trainer_actor_sends_straight_to_engine_actor(ray_session):
 
 
 # ---------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_failed_load_stays_failed_through_sleep_and_wake():
+    """On an accelerator, sleep(keep_weights=True) moves the parameters to host memory; it must not
+    turn half-loaded weights (a load refused part-way) into valid ones after wake."""
+    engine = GenerationEngine(*build_engine_parts(), GenerationConfig(device="cuda", max_num_seqs=16))
+    new = build_tiny_model(VOCAB, seed=5).state_dict()
+    with pytest.raises(ValueError):
+        engine.load_weights(dict(list(new.items())[: len(new) // 2]), version=9)
+    engine.sleep(keep_weights=True)
+    engine.wake()
+    with pytest.raises(EngineStateError):
+        engine.generate(PROMPTS, GREEDY)
 
 
 @pytest.mark.gpu

@@ -178,9 +178,11 @@ class EngineWeights:
         required. In-place updates of those tensors (an optimizer step) are then seen by the engine."""
         with self._lock, torch.no_grad():
             load = self.begin_load(share=True)
+            # sharing from the first aliased tensor on: should an add fail part-way, the next copy-load
+            # must not write into the trainer's tensors, and idle engines must still drop their packs
+            self._shared = True
             for name, tensor in named_tensors(weights):
                 load.add(name, tensor, share=True)
-            self._shared = True
             return load.finish(version)
 
     def _mark_loaded(self, version: int) -> None:
@@ -207,7 +209,7 @@ class EngineWeights:
             keep_host = keep_weights and not self._shared
             if not (keep_host and self.device.type == "cpu"):
                 released += self._release_params(keep_host)
-                self._weights_valid = keep_host
+                self._weights_valid = self._weights_valid and keep_host  # a failed load stays failed
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._sleeping = True
