@@ -135,3 +135,37 @@ def test_a_pair_longer_than_the_token_budget_is_refused(tmp_path):
             make_microbatches(batch, mode, max_tokens=8, row_group=2)
     mbs = make_microbatches(batch, "packed", max_tokens=12, row_group=2)
     assert sorted(mb.indices.tolist() for mb in mbs) == [[0, 1], [2, 3]]  # pairs together, in order
+
+
+def test_held_out_metrics_are_means_over_the_pairs_when_the_last_batch_is_short():
+    """10 held-out pairs in global batches of 8: the second batch holds 2 real pairs and 6 masked ones.
+    Its accuracy, loss and margin must count for 2 pairs, not for half of the set: pairs 0-7 get an
+    implicit margin of +0.3, pairs 8-9 of -0.3, so the set's accuracy is 0.8 and its margin 0.18."""
+    from posttrain.algorithms.dpo import evaluate, with_reference
+    from posttrain.algorithms.losses import DPOConfig, DPOLoss
+    from posttrain.policy.policy import Policy
+    from posttrain.tasks.preferences import PreferencePair
+
+    cfg = build_config(
+        DPORunConfig,
+        {
+            "policy": {
+                "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}},
+                "train_global_batch_size": 16,
+                "microbatch": {"train_micro_batch_size": 8, "logprob_micro_batch_size": 16},
+                "init_reference_model": False,
+            },
+            "logging": {"progress_bar": False},
+        },
+    )
+    policy = Policy(cfg.policy)
+    pairs = [PreferencePair([1, 5 + i, 6], [7, 8, 2], [9, 10, 2]) for i in range(10)]
+    refs = with_reference(policy, pairs, 0)
+    for i, (chosen, _) in enumerate(refs):  # the reference's chosen logprobs lower (higher): margin + (-)
+        chosen[3:] += -1.0 if i < 8 else 1.0
+    metrics = evaluate(policy, DPOLoss(DPOConfig(beta=0.1)), pairs, refs, 0)
+    policy.shutdown()
+    margins = torch.tensor([0.3] * 8 + [-0.3] * 2)
+    assert metrics["accuracy"] == pytest.approx(0.8)
+    assert metrics["reward_margin"] == pytest.approx(float(margins.mean()), abs=1e-6)
+    assert metrics["loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(margins).mean()), abs=1e-6)

@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 
 from posttrain.data.batch import valid_counts
-from posttrain.data.normalization import LossFn, MetricKind, combine, finalize_metrics, identity_of
+from posttrain.data.normalization import (
+    LossFn,
+    LossType,
+    MetricKind,
+    combine,
+    finalize_metrics,
+    identity_of,
+    loss_normalizer,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -151,19 +159,34 @@ def reduce_step(step: OpenStep, all_reduce: Callable) -> tuple[dict[str, float],
     return metrics, seqs, toks, nonfinite
 
 
-def merge_step_metrics(results: list[dict[str, float]], kinds: dict[str, MetricKind]) -> dict[str, float]:
-    """Combine the metrics of several optimizer steps: means, except counts (summed) and min/max."""
+def merge_step_metrics(
+    results: list[dict[str, float]], kinds: dict[str, MetricKind], loss_type: LossType | None = None
+) -> dict[str, float]:
+    """Combine the metrics of several optimizer steps: a declared token / sequence / loss mean weighted
+    by each step's valid tokens / sequences / loss normalizer (`loss_type`), so a last step of a few
+    real samples (a held-out set padded to whole global batches) counts for those few; other values
+    plain means; counts summed; min/max."""
     if len(results) == 1:
         return dict(results[0])
+
+    def weight(r: dict[str, float], kind: str) -> float:
+        seqs, toks = r.get("global_valid_seqs", 1.0), r.get("global_valid_toks", 1.0)
+        if kind == "loss_type":
+            return loss_normalizer(loss_type, seqs, toks) if loss_type is not None else seqs
+        return toks if kind == "toks" else seqs
+
     out: dict[str, float] = {}
     for name in results[0]:
-        values = [r[name] for r in results if name in r]
+        present = [r for r in results if name in r]
+        values = [r[name] for r in present]
         kind = kinds.get(name, "loss_type")
         if kind in ("none", "min", "max"):
             acc = identity_of(kind)
             for v in values:
                 acc = combine(kind, acc, v)
             out[name] = acc
+        elif name in kinds and sum(w := [weight(r, kind) for r in present]) > 0:
+            out[name] = sum(v * x for v, x in zip(values, w)) / sum(w)
         else:
             out[name] = sum(values) / len(values)
     out["num_optimizer_steps"] = float(len(results))

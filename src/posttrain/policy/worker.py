@@ -351,7 +351,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             except BaseException:
                 self.abort_train_step()
                 raise
-        return merge_step_metrics(results, loss_fn.metric_kinds)
+        return merge_step_metrics(results, loss_fn.metric_kinds, loss_fn.loss_type)
 
     # ------------------------------------------------------------------ inference verbs
 
