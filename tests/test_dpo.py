@@ -169,3 +169,49 @@ def test_held_out_metrics_are_means_over_the_pairs_when_the_last_batch_is_short(
     assert metrics["accuracy"] == pytest.approx(0.8)
     assert metrics["reward_margin"] == pytest.approx(float(margins.mean()), abs=1e-6)
     assert metrics["loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(margins).mean()), abs=1e-6)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_a_model_that_ships_dropout_trains_without_it_by_default(tmp_path, disable):
+    """A checkpoint with dropout (resid_pdrop 0.1, as microsoft/phi-2): the reference logprobs are taken
+    without dropout, so with it off (the default, as TRL's disable_dropout) the first DPO step with
+    policy == reference is exactly log 2 with margin 0; with `model.disable_dropout=false` it is noise."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    from posttrain.algorithms.dpo import training_batch, with_reference
+    from posttrain.algorithms.losses import DPOLoss
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.policy.config import PolicyConfig
+    from posttrain.policy.policy import Policy
+    from posttrain.tasks.preferences import PreferencePair
+
+    tok = build_char_tokenizer()
+    config = PhiConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        resid_pdrop=0.1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    PhiForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy = Policy(
+        PolicyConfig.model_validate(
+            {
+                "model": {"name": str(tmp_path), "disable_dropout": disable},
+                "train_global_batch_size": 8,
+                "init_reference_model": False,
+            }
+        )
+    )
+    pairs = [PreferencePair([1, 5 + i, 6, 7], [8, 9, 10, 2], [11, 12, 2]) for i in range(4)]
+    metrics = policy.train(training_batch(pairs, with_reference(policy, pairs, 0), 0, 8), DPOLoss())
+    policy.shutdown()
+    exact = metrics["loss"] == pytest.approx(math.log(2), abs=1e-6) and abs(metrics["reward_margin"]) < 1e-6
+    assert exact == disable
+    assert PhiConfig.from_pretrained(tmp_path).resid_pdrop == 0.1  # the saved model keeps its config

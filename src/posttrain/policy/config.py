@@ -31,6 +31,13 @@ class ModelConfig(Config):
         "decoder (AutoModelForSequenceClassification, num_labels=1): a reward model, or a critic. `name` "
         "is then a sequence-classification model, or a causal LM whose head is replaced by a new one",
     )
+    disable_dropout: bool = Field(
+        True,
+        description="zero the trained model's dropout (as TRL's disable_dropout; LoRA's lora_dropout stays "
+        "as configured): the reference, previous and engine logprobs are computed without dropout, so a "
+        "training forward with it would make the ratios and DPO's first margins noise; the model's saved "
+        "config keeps its values",
+    )
     cpu_matmul: Literal["torch", "onednn"] = Field(
         "torch",
         description="GEMM of the linear layers for fp32 on the CPU (the trainer's, and the engine's "

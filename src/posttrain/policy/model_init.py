@@ -106,10 +106,26 @@ def build_policy_model(
     return model
 
 
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every dropout off: nn.Dropout modules at p=0 and the float `*dropout*` attributes
+    that attention modules read at forward time (e.g. Llama's `attention_dropout`) at 0. The config is
+    left as it is, so a saved model keeps the values it came with."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model
+
+
 def _with_layers(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
     """`model` with the layers the policy trains through: `cfg.lora`'s adapters (a score head, often
     new, trains in full next to them, never adapted), then every linear layer on the GEMM of
-    `model.cpu_matmul` (before parallelizing: FSDP2 subclasses the modules' classes)."""
+    `model.cpu_matmul` (before parallelizing: FSDP2 subclasses the modules' classes). The model's own
+    dropout is off first (`model.disable_dropout`); the adapters' `lora_dropout` stays as configured."""
+    if cfg.model.disable_dropout:
+        without_dropout(model)
     if cfg.lora is not None:
         if cfg.model.head == "lm":
             add_lora(model, cfg.lora)
