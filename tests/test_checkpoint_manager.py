@@ -30,6 +30,20 @@ def test_keep_top_k_by_metric_keeps_best_and_newest(tmp_path):
     assert mgr.resume_path().name == "step_5"
 
 
+@pytest.mark.parametrize("metric", [None, "val/accuracy"])
+def test_keep_top_k_keeps_the_checkpoint_just_saved_below_a_left_history(tmp_path, metric):
+    """A run resumed from step 2 (explicitly, or past a damaged step 4) saves step 3 while step 4 of
+    the history it left is still on disk: step 3 is the newest, and step 4 ranks last, whatever its
+    metric. Keeping the highest step number deleted every new save and could leave nothing usable."""
+    cfg = CheckpointingConfig(save_period=1, keep_top_k=1, metric_name=metric)
+    mgr = CheckpointManager(cfg, tmp_path)
+    for step, acc in ((2, 0.5), (4, 0.9)):
+        mgr.save(FakePolicy(), step, {"step": step}, {"val/accuracy": acc})
+    mgr.save(FakePolicy(), 3, {"step": 3}, {"val/accuracy": 0.1})
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step_3"]
+    assert mgr.resume_path().name == "step_3"
+
+
 def test_resume_modes(tmp_path):
     mgr = CheckpointManager(CheckpointingConfig(resume="never"), tmp_path)
     mgr.save(FakePolicy(), 3, {}, {})

@@ -303,3 +303,26 @@ def test_after_a_step_that_trains_nothing_a_prompt_drawn_again_draws_new_samples
     run_grpo(cfg(tmp_path / "resumed", 2))
     resumed = [d for d in drawn[str(tmp_path / "resumed")] if d[0] == 2]
     assert resumed == [d for d in full if d[0] == 2]
+
+
+def test_a_run_ended_by_its_epoch_limit_saves_its_last_step_and_resumes_without_a_false_warning(
+    tmp_path, caplog
+):
+    cfg = small_cfg(
+        tmp_path,
+        "task.operations=['+']",
+        "task.max_operand=2",
+        "task.eval_fraction=0.25",
+        "grpo.max_num_steps=1000",
+        "grpo.max_num_epochs=1",
+        "checkpointing.save_period=5",
+        "grpo.val_period=0",
+    )
+    run_grpo(cfg)
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert steps and steps[-1] < 5  # the data ran out before the first periodic save
+    assert (tmp_path / "checkpoints" / f"step_{steps[-1]}" / "metadata.json").is_file()
+    with caplog.at_level("WARNING"):
+        run_grpo(cfg)  # resume=auto: nothing left to train; the history is kept, and not said to be replaced
+    assert "no checkpoint to resume from" not in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == steps

@@ -204,7 +204,7 @@ class CheckpointManager:
         policy.save_checkpoint(
             str(path), extra_state={**extra_state, "metrics": _finite(metrics), "companions": listed}
         )
-        self._prune()
+        self._prune(path)
         return path
 
     def _score(self, path: Path) -> float | None:
@@ -218,24 +218,30 @@ class CheckpointManager:
             return None
         return None if value is None else float(value)
 
-    def _prune(self) -> None:
+    def _prune(self, saved: Path) -> None:
+        """Keep `keep_top_k` checkpoints, always the one just `saved`. Checkpoints of later steps than it
+        belong to a history the run left (it resumed from an earlier one, or skipped a damaged newest):
+        they rank last, so they go first, and never count as the newest."""
         k = self.cfg.keep_top_k
         found = self.complete_checkpoints()
         if k is None or len(found) <= k:
             return
-        newest = found[-1]
+        step = _step_of(saved)
+        ours = [p for p in found if _step_of(p) <= step]
+        left = [p for p in found if _step_of(p) > step]
         if self.cfg.metric_name is None:
-            ranked = list(reversed(found))
+            ranked = list(reversed(ours))
         else:
             sign = 1.0 if self.cfg.higher_is_better else -1.0
-            scored = [(p, self._score(p)) for p in found]
+            scored = [(p, self._score(p)) for p in ours]
             ranked = [
                 p
                 for p, s in sorted(
                     scored, key=lambda ps: -sign * ps[1] if ps[1] is not None else float("inf")
                 )
             ]
-        keep = set(ranked[:k]) | {newest}
+        ranked += left
+        keep = set(ranked[:k]) | {saved}
         for p in found:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)

@@ -208,7 +208,9 @@ def run_grpo(
                 metrics_log.log(metrics, run.step)
                 progress.update(run.step, metrics)
                 last.update(metrics)
-                if ckpt.should_save(run.step, cfg.grpo.max_num_steps):
+                # the last step is saved, whether the step limit or the epoch limit ended the run
+                last_step = cfg.grpo.max_num_steps if keeps_going(run) else run.step
+                if ckpt.should_save(run.step, last_step):
                     ckpt.save(run.policy, run.step, loop_state(run), metrics, run.companions)
                     saved = run.step
             if stop.requested and keeps_going(run):

@@ -206,8 +206,9 @@ def start_history(
     """After the resume check passed: a fresh start under `overwrite` deletes the previous run; then
     config.yaml is written and the metrics log opened (a resumed run's keeps the rows up to
     `resumed_step`)."""
-    if resumed_step and ckpt.cfg.resume not in ("auto", "never"):  # auto took the newest intact one
-        _warn_later_checkpoints(ckpt, resumed_step)
+    if resumed_step:
+        if ckpt.cfg.resume not in ("auto", "never"):  # auto took the newest intact one
+            _warn_later_checkpoints(ckpt, resumed_step)
     elif ckpt.cfg.resume == "never" and ckpt.cfg.overwrite:
         _delete(out, previous_run(out, ckpt))
     elif (out / "metrics.jsonl").is_file():
