@@ -59,6 +59,49 @@ def test_resume_refuses_a_changed_loop_config(tmp_path):
         )
 
 
+def test_resume_refuses_a_changed_update_setting_before_loading_anything(tmp_path):
+    """The policy settings that shape each update (here the grad-norm clip) must match the checkpoint;
+    the refusal comes before any load, so a policy passed in keeps its weights and version. A setting
+    of validation alone (task.max_eval_prompts) may change."""
+    from helpers import params_of
+
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=2", "policy.optimizer.lr=5e-2"))
+    cfg = small_cfg(
+        tmp_path, "grpo.max_num_steps=3", "policy.optimizer.lr=5e-2", "policy.max_grad_norm=0.001"
+    )
+    policy = Policy(cfg.policy)
+    before = params_of(policy)
+    with pytest.raises(ValueError, match=r"policy.max_grad_norm: checkpoint 1.0, now 0.001"):
+        run_grpo(cfg, policy=policy)
+    after = params_of(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert policy.get_states()[0]["trainer_version"] == 0
+    policy.shutdown()
+    run_grpo(
+        small_cfg(tmp_path, "grpo.max_num_steps=3", "policy.optimizer.lr=5e-2", "task.max_eval_prompts=4")
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+
+
+def test_resume_accepts_a_checkpoint_that_did_not_record_the_update_settings(tmp_path, monkeypatch):
+    """Checkpoints written before the update settings were compared lack them: resumed whatever they
+    are now (their run's values are unknown), here with a batch size that is not the default."""
+    from posttrain.algorithms import grpo
+
+    view = grpo._resume_view
+
+    def older(cfg):
+        out = view(cfg)
+        out["policy"] = {k: out["policy"][k] for k in ("optimizer", "scheduler")}
+        return out
+
+    monkeypatch.setattr(grpo, "_resume_view", older)
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=2"))
+    monkeypatch.setattr(grpo, "_resume_view", view)
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=3"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+
+
 def test_resume_accepts_a_checkpoint_written_before_a_setting_existed(tmp_path, monkeypatch):
     """A checkpoint whose config lacks a setting added since (here grpo.sample_seeds, as one written
     before it existed) resumes when the setting is at its default, which keeps the behaviour the

@@ -122,6 +122,7 @@ RESUME_MAY_CHANGE = (
     "grpo.val_at_start",
     "grpo.val_max_prompts",
     "grpo.val_num_generations",
+    "task.max_eval_prompts",
     "policy.optimizer.lr",
 )
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+from posttrain.checkpoint_verify import read_json
 from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, StepProgress, get_logger
@@ -120,15 +121,21 @@ def resume(
     path = ckpt.resume_path()
     if path is None:
         return None
-    policy.prepare_for_training()
-    extra = policy.load_checkpoint(str(path))
+    # every check before anything loads: a refused resume leaves the policy as it was
+    extra = read_json(path / "extra_state.json")
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
     saved = extra.get("config", {})
-    at_default = None if config is None else (lambda key: field_at_default(config, key))
+
+    def at_default(key: str) -> bool:
+        recorded_later = any(key == k or key.startswith(k + ".") for k in _RECORDED_SINCE)
+        return recorded_later or (config is not None and field_at_default(config, key))
+
     changed = check_resume_config(
         saved, {k: v for k, v in view.items() if k in saved}, may_change, at_default
     )
+    policy.prepare_for_training()
+    extra = policy.load_checkpoint(str(path))
     log.warning("resumed from %s at step %d", path, int(extra["step"]))
     for key, old, new in changed:
         log.warning("resuming with %s changed %r -> %r", key, old, new)
@@ -136,6 +143,15 @@ def resume(
 
 
 _MISSING = object()
+# policy settings the resume check compares since 2026-11-27: a checkpoint written before lacks them,
+# and its run's values are unknown, so they are accepted whatever they are now
+_RECORDED_SINCE = (
+    "policy.precision",
+    "policy.max_grad_norm",
+    "policy.logprob_temperature",
+    "policy.moe",
+    "policy.train_global_batch_size",
+)
 
 
 def field_at_default(config: Config, key: str) -> bool:
@@ -162,13 +178,22 @@ def field_at_default(config: Config, key: str) -> bool:
     return getattr(section, name) == field.get_default(call_default_factory=True)
 
 
-def optimizer_view(policy: PolicyConfig) -> dict[str, Any]:
-    """The policy settings a resumed run shares with its checkpoint, which restores the optimizer's and
-    the schedule's state (list `policy.optimizer.lr` in `may_change`: the worker applies a new one)."""
-    return {
+def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, Any]:
+    """The policy settings a resumed run shares with its checkpoint: the optimizer's and the schedule's
+    (the checkpoint restores their state; list `policy.optimizer.lr` in `may_change`: the worker applies
+    a new one) and the others that shape each update: precision, gradient clipping, the logprobs'
+    temperature, the MoE losses and routing, and (`batch_size`) the samples per optimizer step."""
+    view = {
         "optimizer": policy.optimizer.model_dump(mode="json"),
         "scheduler": [s.model_dump(mode="json") for s in policy.scheduler],
+        "precision": policy.precision,
+        "max_grad_norm": policy.max_grad_norm,
+        "logprob_temperature": policy.logprob_temperature,
+        "moe": policy.moe.model_dump(mode="json"),
     }
+    if batch_size:
+        view["train_global_batch_size"] = policy.train_global_batch_size
+    return view
 
 
 # --------------------------------------------------------------------------- one run, one history

@@ -211,7 +211,11 @@ def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
         "num_steps",
     )
     view = {k: dumped[k] for k in ("grpo", "sampling", "task", "env", "distill")}
-    return view | {"async_grpo": {k: a[k] for k in keys}, "policy": optimizer_view(cfg.policy)}
+    # policy.train_global_batch_size is not read by this loop (a step is its groups' samples)
+    return view | {
+        "async_grpo": {k: a[k] for k in keys},
+        "policy": optimizer_view(cfg.policy, batch_size=False),
+    }
 
 
 RESUME_MAY_CHANGE = (  # each change is logged
@@ -221,6 +225,7 @@ RESUME_MAY_CHANGE = (  # each change is logged
     "grpo.val_at_start",
     "grpo.val_max_prompts",
     "grpo.val_num_generations",
+    "task.max_eval_prompts",
 )
 
 
