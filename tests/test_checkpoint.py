@@ -260,3 +260,40 @@ def test_resume_across_world_sizes(tmp_path, ray_session):
     finally:
         ray_policy.shutdown()
         local.shutdown()
+
+
+class _IntStepSGD(torch.optim.Optimizer):
+    """An optimizer whose per-parameter state holds a plain int step count (as bitsandbytes' do)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["step"] = state.get("step", 0) + 1
+                    p.add_(p.grad, alpha=-group["lr"] / state["step"] ** 0.5)
+
+
+def test_optimizer_state_that_is_not_a_tensor_survives_a_checkpoint(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3)
+        optimizer = _IntStepSGD(model.parameters())
+        return checkpoint.TrainState(
+            model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        )
+
+    state = fresh()
+    for _ in range(5):
+        state.model(torch.randn(2, 3)).sum().backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+    checkpoint.save_checkpoint(tmp_path / "ck", state, trainer_version=5)
+    loaded = fresh()
+    checkpoint.load_checkpoint(tmp_path / "ck", loaded)
+    assert loaded.optimizer.state[loaded.model.weight]["step"] == 5
+    assert torch.equal(loaded.model.weight, state.model.weight)

@@ -332,6 +332,13 @@ def _optimizer_tensors(optim_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     }
 
 
+def _optimizer_scalars(optim_sd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-parameter optimizer state that is not a tensor (e.g. an int step count, as bitsandbytes'
+    optimizers keep), for train_state.json (whose writer refuses what JSON cannot hold, naming it)."""
+    state = optim_sd["state"].items()
+    return {str(k): s for k, per in state if (s := {n: v for n, v in per.items() if not torch.is_tensor(v)})}
+
+
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
@@ -350,24 +357,31 @@ def _apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, A
 # ---------------------------------------------------------------------- save
 
 
-def _sharded_state(state: TrainState) -> dict[str, torch.Tensor]:
-    """Flat DCP state dict: model.*, optim.* (only once the optimizer has state), reference.*."""
+def _sharded_state(state: TrainState, optim_sd: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """Flat DCP state dict: model.*, optim.* (`optim_sd`: None until the optimizer has state), reference.*."""
     flat = _model_tensors(state.model, _model_state(state))
-    if state.optimizer.state:  # reading an empty optimizer's state would initialize it (one zero step)
-        flat |= _optimizer_tensors(get_optimizer_state_dict(state.model, state.optimizer))
+    if optim_sd is not None:
+        flat |= _optimizer_tensors(optim_sd)
     if state.reference is not None:
         flat |= _global_reference(state)
     return flat
 
 
 def _write_rank0_files(
-    root: Path, state: TrainState, extra_json: str, tokenizer: Any, config_yaml: str | None
+    root: Path,
+    state: TrainState,
+    extra_json: str,
+    tokenizer: Any,
+    config_yaml: str | None,
+    scalars: dict[str, dict[str, Any]] | None,
 ) -> None:
     train_state = {
         "scheduler": state.scheduler.state_dict(),
         "optimizer_param_groups": _hyperparameters(state.optimizer),
         "optimizer_has_state": bool(state.optimizer.state),
     }
+    if scalars is not None:
+        train_state["optimizer_scalars"] = scalars
     _write_text(root / "train_state.json", _to_json(train_state, "the scheduler/optimizer state"))
     _write_text(root / "extra_state.json", extra_json)
     if config_yaml is not None:
@@ -455,13 +469,18 @@ def _write_checkpoint(
     """Every rank writes its shards and RNG into `tmp`; rank 0 adds the JSON files, the ranks hash them
     all, and rank 0 writes metadata.json with the checksums and commits."""
     rank = _rank()
+    # reading an empty optimizer's state would initialize it (one zero step): only once it has state
+    optim_sd = get_optimizer_state_dict(state.model, state.optimizer) if state.optimizer.state else None
+    scalars = _optimizer_scalars(optim_sd) if optim_sd is not None else None
     writer = _hf_storage("Writer")(str(tmp / "state"), save_distributed=True)
     with _single_process_ok():
-        dcp.save(_sharded_state(state), storage_writer=writer, no_dist=not _distributed())
+        dcp.save(_sharded_state(state, optim_sd), storage_writer=writer, no_dist=not _distributed())
     fault_point("shards", final)
     _on_all_ranks(lambda: save_rng(tmp / "rng", rank))
     _on_all_ranks(
-        lambda: _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml) if rank == 0 else None
+        lambda: (
+            _write_rank0_files(tmp, state, extra_json, tokenizer, config_yaml, scalars) if rank == 0 else None
+        )
     )
     meta = meta | {"files": record_digests(tmp)}
     _on_all_ranks(lambda: _finish(tmp, final, _to_json(meta, "identity")) if rank == 0 else None)
@@ -535,6 +554,9 @@ def load_checkpoint(
     set_model_state_dict(state.model, model_sd, options=StateDictOptions(strict=not state.trainable_only))
     if optim_sd is not None:
         _apply_hyperparameters(optim_sd["param_groups"], train_state["optimizer_param_groups"])
+        for fqn, values in train_state.get("optimizer_scalars", {}).items():
+            if fqn in optim_sd["state"]:
+                optim_sd["state"][fqn].update(values)
         set_optimizer_state_dict(state.model, state.optimizer, optim_sd)
     else:
         state.optimizer.state.clear()
