@@ -369,3 +369,42 @@ def test_a_run_ended_by_its_epoch_limit_saves_its_last_step_and_resumes_without_
         run_grpo(cfg)  # resume=auto: nothing left to train; the history is kept, and not said to be replaced
     assert "no checkpoint to resume from" not in caplog.text
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == steps
+
+
+def test_a_resume_onto_another_dataset_is_refused_before_the_policy_loads(tmp_path, monkeypatch):
+    """The data file changed under the same config: the checkpoint's data position belongs to another
+    dataset. Refused, and a policy passed in keeps its weights (the check runs before any load)."""
+    from helpers import params_of
+
+    data = tmp_path / "problems.jsonl"
+    (tmp_path / "exact_reward.py").write_text(
+        "def reward(prompts, completions, metadata):\n"
+        "    return [float(c.strip() == m['answer']) for c, m in zip(completions, metadata)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(offset):
+        rows = [json.dumps({"problem": f"{a}+{offset}=", "answer": str(a + offset)}) for a in range(12)]
+        data.write_text("\n".join(rows) + "\n")
+
+    def cfg(steps):
+        from posttrain.algorithms.grpo import GRPOConfig
+        from posttrain.config import build_config
+
+        plain = small_cfg(tmp_path / "run", f"grpo.max_num_steps={steps}", "grpo.val_period=0")
+        section = {"name": "custom", "dataset": {"train_path": str(data), "eval_fraction": 0.25}}
+        section["reward_fn"] = "exact_reward:reward"
+        return build_config(GRPOConfig, plain.model_dump(mode="json") | {"task": section})
+
+    write(1)
+    run_grpo(cfg(2))
+    write(2)
+    resumed = cfg(3)
+    policy = Policy(resumed.policy)
+    before = params_of(policy)
+    with pytest.raises(ValueError, match="data position was saved with fingerprint"):
+        run_grpo(resumed, policy=policy)
+    after = params_of(policy)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert policy.get_states()[0]["trainer_version"] == 0  # the checkpoint's (2) never loaded
+    policy.shutdown()

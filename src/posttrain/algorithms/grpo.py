@@ -12,6 +12,7 @@ Read `run_grpo` top to bottom; each phase is a short function below it. Departur
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -543,7 +544,15 @@ def loop_state(run: Run) -> dict[str, Any]:
 def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
     """Continue from the checkpoint the manager picks (model, optimizer, RNG, data position, step);
     returns the metrics it was saved with ({} for a fresh start)."""
-    extra = resume(run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE, config=run.cfg)
+
+    def data_check(extra: dict[str, Any]) -> None:  # another dataset's position: refused before loading
+        cursor = getattr(run.task.train, "cursor", None)
+        if cursor is not None:
+            copy.copy(cursor).load_state_dict(extra["train_data"])
+
+    extra = resume(
+        run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE, config=run.cfg, check=data_check
+    )
     if extra is None:
         return {}
     for name, other in run.companions.items():

@@ -110,14 +110,16 @@ def resume(
     requires: str | None = None,
     hint: str = "",
     config: Config | None = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
     """Load the checkpoint the manager picks (model, optimizer, RNG) and return its loop state, or None
     when the run starts fresh. Refuses a checkpoint whose loop config (`view`, dotted keys that name
     fields of `config`) differs outside `may_change` (sections the checkpoint did not record are not
     compared; a setting added since it was written is accepted at its default), or whose loop state
     lacks the key `requires` (`hint` says what to do instead); logs each key in `may_change` that
-    differs. The policy's learning rate is the config's (policy/worker.py), whatever the checkpoint's
-    was."""
+    differs; `check(loop state)` may refuse more (e.g. a data position of another dataset). Every check
+    runs before anything loads. The policy's learning rate is the config's (policy/worker.py), whatever
+    the checkpoint's was."""
     path = ckpt.resume_path()
     if path is None:
         return None
@@ -134,6 +136,8 @@ def resume(
     changed = check_resume_config(
         saved, {k: v for k, v in view.items() if k in saved}, may_change, at_default
     )
+    if check is not None:
+        check(extra)
     policy.prepare_for_training()
     extra = policy.load_checkpoint(str(path))
     log.warning("resumed from %s at step %d", path, int(extra["step"]))
