@@ -168,3 +168,18 @@ def test_save_hf_writes_a_sequence_classifier(tmp_path):
     worker.save_hf(str(tmp_path / "rm"))
     config = AutoConfig.from_pretrained(tmp_path / "rm")
     assert config.architectures == ["LlamaForSequenceClassification"] and config.num_labels == 1
+
+
+def test_a_tokenizer_that_pads_with_its_eos_is_warned_about(caplog):
+    """posttrain reads a reward at the completion's EOS; transformers' sequence classifier pools at the
+    last token that is not the pad id: with pad == EOS that is the token before, so they disagree."""
+    from posttrain.models.scalar_head import warn_if_pad_is_eos
+    from posttrain.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    with caplog.at_level("WARNING"):
+        assert not warn_if_pad_is_eos(tok, "reward model training")
+        assert "pads with its EOS" not in caplog.text
+        tok.pad_token = tok.eos_token
+        assert warn_if_pad_is_eos(tok, "reward model training")
+    assert "reward model training: the tokenizer pads with its EOS" in caplog.text

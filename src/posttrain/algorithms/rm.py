@@ -26,6 +26,7 @@ from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
 from posttrain.algorithms.runs import run_policy, shuffled_batches, train_steps, write_config
 from posttrain.config import Config
 from posttrain.logging import LoggingConfig, get_logger
+from posttrain.models.scalar_head import warn_if_pad_is_eos
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
@@ -110,6 +111,7 @@ def run_rm(cfg: RMRunConfig, policy: Policy | None = None) -> dict[str, float]:
 
 def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:
     tokenizer = build_tokenizer(cfg.policy.model)
+    warn_if_pad_is_eos(tokenizer, "reward model training")
     pad_id = pad_token_id(tokenizer)
     train, heldout = build_pairs(cfg.data, tokenizer)
     log.info("reward model on %d pairs (%d held out)", len(train), len(heldout))

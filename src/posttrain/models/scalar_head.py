@@ -16,7 +16,7 @@ hands a loss per micro-batch: logprobs for `head=lm`, these values for `head=sco
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -48,6 +48,25 @@ def score_model_config(config: PretrainedConfig, pad_id: int) -> PretrainedConfi
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = pad_id
     return config
+
+
+def warn_if_pad_is_eos(tokenizer: Any, what: str) -> bool:
+    """Warn (and return True) when `tokenizer` pads with its EOS: posttrain reads a reward at each row's
+    last real token, the completion's EOS, while transformers' sequence classifier (what a saved reward
+    model runs elsewhere, and what TRL trains) pools at the last token that is not the pad id, the one
+    before that EOS; the two then score different positions."""
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if pad is None or pad != eos:
+        return False
+    log.warning(
+        "%s: the tokenizer pads with its EOS (id %d). posttrain reads the reward at the EOS that ends each "
+        "completion; transformers' AutoModelForSequenceClassification (a saved model used elsewhere, or "
+        "one trained by TRL) pools at the token before it, so scores differ between the two. Give the "
+        "tokenizer a pad token of its own (e.g. add '<|pad|>' and save it) to make them agree",
+        what,
+        pad,
+    )
+    return True
 
 
 def check_score_source(config: PretrainedConfig, name: str) -> None:

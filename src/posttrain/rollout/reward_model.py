@@ -26,6 +26,7 @@ from pydantic import Field
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.params import GenerationResult
+from posttrain.models.scalar_head import warn_if_pad_is_eos
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel.cluster import ClusterConfig
 from posttrain.policy.config import ParallelConfig, PolicyConfig
@@ -79,6 +80,7 @@ class RewardModel:
         self.policy_tokenizer = policy_tokenizer
         self.same_vocab = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         self.pad_id = pad_token_id(self.tokenizer)
+        warn_if_pad_is_eos(self.tokenizer, "reward model scoring")
         self.policy = Policy(pcfg)
         self._park()
 
