@@ -125,3 +125,37 @@ def test_a_bradley_terry_step_is_the_same_with_dynamic_batching_and_packing(mode
     for k in ("loss", "accuracy", "reward_margin", "grad_norm"):
         assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-7), k
     assert_params_close(ref_params, params)
+
+
+def test_a_reward_model_of_another_vocabulary_scores_the_rows_it_was_trained_on():
+    """Policy tokenizer without a BOS (Qwen-like), reward model with one: the re-tokenized row must be
+    the one `posttrain rm` trains that reward model on, its BOS first, the policy's special tokens out."""
+    from types import SimpleNamespace
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from posttrain.generation.params import GenerationResult
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.rollout.reward_model import RewardModel
+    from posttrain.tasks.datasets import PromptFormatConfig, PromptItem, tokenize_prompts
+
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate("0123456789+= ")}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    policy_tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    rm_tok = build_char_tokenizer()
+    fmt = PromptFormatConfig()
+    prompt = tokenize_prompts(["2+3="], policy_tok, fmt, False)[0]
+    completion = policy_tok("5", add_special_tokens=False)["input_ids"] + [policy_tok.eos_token_id]
+    result = GenerationResult(0, 0, prompt, completion, [0.0] * len(completion), "stop")
+    scorer = SimpleNamespace(same_vocab=False, policy_tokenizer=policy_tok, tokenizer=rm_tok)
+    prompts, completions = RewardModel._rows(scorer, [PromptItem(0, "2+3=", prompt)], [result])
+    trained = (
+        tokenize_prompts(["2+3="], rm_tok, fmt, False)[0] + rm_tok("5", add_special_tokens=False)["input_ids"]
+    )
+    assert prompts[0] + completions[0] == trained + [rm_tok.eos_token_id]
+    assert prompts[0][0] == rm_tok.bos_token_id

@@ -9,8 +9,9 @@ then `offload_after_refit`), so on an accelerator generation and training get th
 
 Tokens: when the reward model's tokenizer has the policy's vocabulary, the sampled ids are scored as
 they are (the prompt's ids, then the completion's, EOS included when the sample stopped on it): the
-rows `posttrain rm` trains on. Otherwise prompt and completion are decoded and re-tokenized with the
-reward model's tokenizer (EOS appended to completions that stopped).
+rows `posttrain rm` trains on. Otherwise prompt and completion are decoded (without the policy's special
+tokens) and re-tokenized with the reward model's tokenizer as `posttrain rm` tokenizes with its default
+prompt format (its BOS first; EOS appended to completions that stopped).
 
 A failed rule reward counts only where the rule reward counts: with `task_weight=0` it is a metric,
 and the sample keeps its reward-model score.
@@ -32,7 +33,7 @@ from posttrain.parallel.cluster import ClusterConfig
 from posttrain.policy.config import ParallelConfig, PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
-from posttrain.tasks.datasets import PromptItem
+from posttrain.tasks.datasets import PromptFormatConfig, PromptItem, tokenize_prompts
 
 
 class RewardModelConfig(Config):
@@ -94,7 +95,10 @@ class RewardModel:
             return [list(it.prompt_token_ids) for it in items], [list(r.token_ids) for r in results]
         dec, enc = self.policy_tokenizer.decode, self.tokenizer
         eos = self.tokenizer.eos_token_id
-        prompts = [enc(dec(it.prompt_token_ids), add_special_tokens=False)["input_ids"] for it in items]
+        # the prompt text without the policy's special tokens, tokenized as `posttrain rm` tokenizes its
+        # prompts (the reward model's own BOS first, by the default prompt format)
+        texts = [dec(it.prompt_token_ids, skip_special_tokens=True) for it in items]
+        prompts = tokenize_prompts(texts, self.tokenizer, PromptFormatConfig(), use_chat=False)
         completions = [
             enc(dec(r.token_ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
             + ([eos] if r.finish_reason == "stop" and eos is not None else [])
