@@ -76,10 +76,12 @@ def family_config(name: str, vocab_size: int, **overrides) -> PretrainedConfig:
     )
 
 
-def save_family_model(name: str, tokenizer, out: Path, seed: int = 0) -> Path:
-    """A random-weight model of family `name` saved with `tokenizer` as a local HF directory."""
+def save_family_model(name: str, tokenizer, out: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight model of family `name` (config `overrides` on top) saved with `tokenizer` as a
+    local HF directory."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name, len(tokenizer)), dtype=torch.float32)
+    config = family_config(name, len(tokenizer), **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger than init scale, so the logits are not all alike (greedy ties)
         for p in model.parameters():
             if p.dim() > 1:

@@ -12,7 +12,6 @@ Read `run_grpo` top to bottom; each phase is a short function below it. Departur
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -546,9 +545,7 @@ def resume_from(run: Run, ckpt: CheckpointManager) -> dict[str, float]:
     returns the metrics it was saved with ({} for a fresh start)."""
 
     def data_check(extra: dict[str, Any]) -> None:  # another dataset's position: refused before loading
-        cursor = getattr(run.task.train, "cursor", None)
-        if cursor is not None:
-            copy.copy(cursor).load_state_dict(extra["train_data"])
+        run.task.train.check_state_dict(extra["train_data"])
 
     extra = resume(
         run.policy, ckpt, _resume_view(run.cfg), RESUME_MAY_CHANGE, config=run.cfg, check=data_check

@@ -174,6 +174,13 @@ class ClippedPGConfig(Config):
         "clip ranges of ~3e-4/4e-4 as the GSPO paper does)",
     )
 
+    force_on_policy_ratio: bool = Field(
+        False,
+        description="the step is one optimizer step at the weights that made the batch's prev logprobs, "
+        "so prev := lp.detach() (ratio exp(lp - lp.detach()): 1 in value, on-policy grad; IS weight "
+        "exp(lp.detach() - gen) and the mismatch metrics alike) and the batch needs no prev_logprobs",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> ClippedPGConfig:
         if (
@@ -188,13 +195,6 @@ class ClippedPGConfig(Config):
                 "importance_sampling_level=geometric"
             )
         return self
-
-    force_on_policy_ratio: bool = Field(
-        False,
-        description="the step is one optimizer step at the weights that made the batch's prev logprobs, "
-        "so prev := lp.detach() (ratio exp(lp - lp.detach()): 1 in value, on-policy grad; IS weight "
-        "exp(lp.detach() - gen) and the mismatch metrics alike) and the batch needs no prev_logprobs",
-    )
 
 
 def _per_sequence(values: torch.Tensor, mask: torch.Tensor, mean: bool) -> torch.Tensor:

@@ -160,7 +160,7 @@ def reduce_step(step: OpenStep, all_reduce: Callable) -> tuple[dict[str, float],
 
 
 def merge_step_metrics(
-    results: list[dict[str, float]], kinds: dict[str, MetricKind], loss_type: LossType | None = None
+    results: list[dict[str, float]], kinds: dict[str, MetricKind], loss_type: LossType
 ) -> dict[str, float]:
     """Combine the metrics of several optimizer steps: a declared token / sequence / loss mean weighted
     by each step's valid tokens / sequences / loss normalizer (`loss_type`), so a last step of a few
@@ -169,26 +169,26 @@ def merge_step_metrics(
     if len(results) == 1:
         return dict(results[0])
 
-    def weight(r: dict[str, float], kind: str) -> float:
+    def weight(r: dict[str, float], kind: MetricKind) -> float:
         seqs, toks = r.get("global_valid_seqs", 1.0), r.get("global_valid_toks", 1.0)
-        if kind == "loss_type":
-            return loss_normalizer(loss_type, seqs, toks) if loss_type is not None else seqs
-        return toks if kind == "toks" else seqs
+        return {"toks": toks, "seqs": seqs, "loss_type": loss_normalizer(loss_type, seqs, toks)}[kind]
 
     out: dict[str, float] = {}
     for name in results[0]:
         present = [r for r in results if name in r]
         values = [r[name] for r in present]
-        kind = kinds.get(name, "loss_type")
+        kind = kinds.get(name)  # undeclared (the step's own counts and norms): plain means
         if kind in ("none", "min", "max"):
             acc = identity_of(kind)
             for v in values:
                 acc = combine(kind, acc, v)
             out[name] = acc
-        elif name in kinds and sum(w := [weight(r, kind) for r in present]) > 0:
-            out[name] = sum(v * x for v, x in zip(values, w)) / sum(w)
-        else:
-            out[name] = sum(values) / len(values)
+            continue
+        weights = [weight(r, kind) for r in present] if kind is not None else [1.0] * len(present)
+        total = sum(weights)
+        out[name] = (
+            sum(v * w for v, w in zip(values, weights)) / total if total > 0 else sum(values) / len(values)
+        )
     out["num_optimizer_steps"] = float(len(results))
     return out
 

@@ -471,8 +471,8 @@ class PromptCursor:
             "fingerprint": self.fingerprint,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a `state_dict()` written for a different dataset or seed, or an invalid position."""
         expected = {
             "seed": self.seed,
             "run_seed": self.run_seed,
@@ -491,7 +491,11 @@ class PromptCursor:
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < max(self.size, 1):
             raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
-        self.epoch, self.position = epoch, position
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict()`, refused as `check_state_dict` refuses."""
+        self.check_state_dict(state)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class PromptDataset:
@@ -578,6 +582,10 @@ class PromptDataset:
     def state_dict(self) -> dict[str, Any]:
         """The cursor, plus what identifies the dataset: save this with a checkpoint."""
         return self.cursor.state_dict()
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a `state_dict()` of another dataset or seed (nothing changes)."""
+        self.cursor.check_state_dict(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a `state_dict()`; refuses one written for a different dataset or seed."""
