@@ -53,3 +53,28 @@ def test_task_union_keys_are_checked_against_the_chosen_task():
         load_config(SFTConfig, None, ["task.max_operandd=3"])
     with pytest.raises(ConfigError, match="'arithmetic', 'chain', 'math', 'custom'"):
         load_config(SFTConfig, None, ["task.name=arith"])
+
+
+def test_rl_runs_score_at_the_sampling_temperature_and_sft_dpo_at_one():
+    """An unset policy.logprob_temperature follows sampling.temperature in every RL run (the trainer's
+    ratios and KL then compare the distribution sampled); one written otherwise is refused, as is a
+    tempered SFT or DPO run."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.dpo import DPORunConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.ppo import PPOConfig
+    from posttrain.algorithms.sft import SFTConfig
+
+    for cls in (GRPOConfig, AsyncGRPORunConfig, PPOConfig):
+        cfg = load_config(cls, None, ["sampling.temperature=0.6"])
+        assert cfg.policy.scoring_temperature == 0.6 and cfg.policy.logprob_temperature is None
+        again = cls.model_validate(cfg.model_dump())  # a saved config.yaml follows the sampling again
+        assert again.policy.scoring_temperature == 0.6
+        assert load_config(cls, None, []).policy.scoring_temperature == 1.0
+        same = ["sampling.temperature=0.6", "policy.logprob_temperature=0.6"]
+        assert load_config(cls, None, same).policy.scoring_temperature == 0.6
+        with pytest.raises(ConfigError, match="policy.logprob_temperature=1.0 but sampling.temperature=0.6"):
+            load_config(cls, None, ["sampling.temperature=0.6", "policy.logprob_temperature=1.0"])
+    for cls, run in ((SFTConfig, "SFT"), (DPORunConfig, "DPO")):
+        with pytest.raises(ConfigError, match=f"logprob_temperature=0.7: {run} trains the model's own"):
+            load_config(cls, None, ["policy.logprob_temperature=0.7"])

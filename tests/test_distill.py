@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_batch
 from posttrain.algorithms import grpo
 from posttrain.algorithms.distill import (
     DistillConfig,
@@ -14,11 +15,13 @@ from posttrain.algorithms.distill import (
     run_distill,
     topk_reverse_kl,
 )
+from posttrain.algorithms.distill_core import teacher_advantages
 from posttrain.algorithms.distill_teacher import TeacherPolicy, teacher_config
 from posttrain.cli import main
 from posttrain.config import apply_overrides, build_config
 from posttrain.logging import read_metrics
 from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.policy import Policy
 
 TEACHER_TINY = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3}
 
@@ -207,3 +210,32 @@ def test_resume_refuses_another_distill_section(tmp_path):
     other = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"kl_coef": 0.3})})
     with pytest.raises(ValueError, match="distill.kl_coef"):
         run_distill(other)
+
+
+def test_the_teacher_scores_at_the_students_temperature(tmp_path):
+    """Sampling at 0.6 with no temperature written: student and teacher both score at 0.6, so a teacher
+    equal to the student gives every trained token advantage 0 and a top-k KL of 0 (the teacher at 1.0
+    gave advantages up to ~0.2). A teacher temperature written otherwise, or an MoE teacher that would
+    replay the student's routing, is refused, naming the key."""
+    same = {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}}}
+    cfg = distill_cfg(tmp_path, "sampling.temperature=0.6", "distill.top_k=5")
+    cfg = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"teacher": None})})
+    cfg = DistillConfig.model_validate({**cfg.model_dump(), "distill": {"teacher": same, "top_k": 5}})
+    assert cfg.policy.scoring_temperature == teacher_config(cfg.distill.teacher).scoring_temperature == 0.6
+    student, teacher = Policy(cfg.policy), TeacherPolicy(teacher_config(cfg.distill.teacher))
+    try:
+        batch = random_batch(8, 12, rl=True)
+        metrics = teacher_advantages(
+            student, teacher, cfg.distill, batch, student.get_logprobs(batch), offload=False
+        )
+        mask = batch["token_mask"] * batch["sample_mask"][:, None]
+        assert mask.sum() > 0
+        assert float((batch["advantages"] * mask).abs().max()) < 1e-5
+        assert abs(metrics["distill/reverse_kl"]) < 1e-6 and abs(metrics["distill/topk_kl"]) < 1e-6
+    finally:
+        student.shutdown()
+        teacher.shutdown()
+    with pytest.raises(ValueError, match="distill.teacher.logprob_temperature=1.0 but policy"):
+        distill_cfg(tmp_path, "sampling.temperature=0.6", "distill.teacher.logprob_temperature=1.0")
+    with pytest.raises(ValueError, match="set distill.teacher.moe.routing_replay=off"):
+        distill_cfg(tmp_path, "distill.teacher.moe.routing_replay=rollout")

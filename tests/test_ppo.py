@@ -260,11 +260,35 @@ def test_a_checkpoint_whose_critic_is_missing_or_from_another_save_is_skipped(tm
         (["ppo.critic.model.head=lm"], "critic is a scalar-head model"),
         (["ppo.value_clip=0"], "greater than 0"),
         (["ppo.lam=1.5"], "less than or equal to 1"),
+        (["ppo.critic.moe.routing_replay=rollout"], "set ppo.critic.moe.routing_replay=off"),
+        (
+            [
+                "policy.parallel.context_parallel_size=2",
+                "policy.cluster.backend=ray",
+                "policy.cluster.num_workers=2",
+            ],
+            "write a ppo.critic section with parallel.context_parallel_size=1",
+        ),
     ],
 )
 def test_bad_ppo_settings_are_refused_with_the_fix(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         ppo_cfg(tmp_path, *overrides)
+
+
+def test_the_default_critic_routes_its_own_tokens(tmp_path):
+    """An MoE policy replaying its engine's routing: the default critic (no engine of its own) keeps its
+    router's choices, with the policy's router losses."""
+    moe = {"family": "qwen3_moe", "hidden_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+    cfg = ppo_cfg(
+        tmp_path, "policy.moe.routing_replay=rollout", "policy.moe.aux_loss_coef=0.01", "ppo.kl_coef=0"
+    )
+    cfg = PPOConfig.model_validate(
+        {**cfg.model_dump(), "policy": {**cfg.policy.model_dump(), "model": {"tiny": moe}}}
+    )
+    critic = critic_config(cfg)
+    assert cfg.policy.moe.routing_replay == "rollout"
+    assert critic.moe.routing_replay == "off" and critic.moe.aux_loss_coef == 0.01
 
 
 def test_a_critic_with_another_vocabulary_is_refused_before_weights_load(tmp_path):

@@ -34,6 +34,9 @@ class DistillConfig(grpo.GRPOConfig):
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
         refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
+        distill = self.distill.at_temperature(self.sampling.temperature)
+        if distill is not self.distill:
+            self.distill = distill
         return self
 
 

@@ -31,7 +31,7 @@ trained (its own `Policy`, distill_teacher.py) and must share the student's voca
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from tensordict import TensorDict
 
 from posttrain.algorithms.losses import token_weights
@@ -57,6 +57,28 @@ class DistillSettings(Config):
         description="also compute the exact reverse KL over the student's top-k tokens (both models "
         "renormalized over them) and use it as each token's baseline; None: sampled tokens only",
     )
+
+    @model_validator(mode="after")
+    def _teacher_routes_itself(self) -> DistillSettings:
+        if self.teacher.moe.routing_replay != "off":
+            raise ValueError(
+                "distill.teacher.moe.routing_replay=rollout would route the teacher's tokens to the experts "
+                "the student's engine chose (the teacher has no engine of its own), so its logprobs would "
+                "not be the teacher's distribution: set distill.teacher.moe.routing_replay=off"
+            )
+        return self
+
+    def at_temperature(self, temperature: float) -> DistillSettings:
+        """These settings with the teacher scoring at the student's `temperature` (an unset
+        distill.teacher.logprob_temperature takes it, another value is refused): the reverse KL compares
+        the two models' distributions at one temperature, as TRL's GKD divides both models' logits by
+        one. Self when it already does."""
+        if self.teacher.scoring_temperature == temperature:
+            return self
+        teacher = self.teacher.scoring_at(
+            temperature, "distill.teacher.logprob_temperature", "policy.logprob_temperature"
+        )
+        return self.model_copy(update={"teacher": teacher})
 
 
 def teacher_advantages(

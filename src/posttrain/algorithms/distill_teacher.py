@@ -70,7 +70,7 @@ class TeacherWorker(PolicyWorker):
                 "yet: set distill.teacher.parallel.sequence_parallel=false and context_parallel_size=1, "
                 "or distill.top_k=null"
             )
-        temp = self.cfg.logprob_temperature
+        temp = self.cfg.scoring_temperature
         parts = self._infer(batch, lambda mb: logits_at(self.model, mb, temp), share_prefix=False)
         return self._scatter(batch, parts)
 

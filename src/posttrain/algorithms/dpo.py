@@ -86,6 +86,7 @@ class DPORunConfig(Config):
     @model_validator(mode="after")
     def _pairs_stay_whole(self) -> DPORunConfig:
         check_pairs_stay_whole(self.policy, "DPO")
+        self.policy.check_untempered("DPO")
         return self
 
 

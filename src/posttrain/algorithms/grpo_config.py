@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig
 from posttrain.config import Config
@@ -97,3 +97,14 @@ class GRPORunSections(Config):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _logprob_temperature(self) -> GRPORunSections:
+        """The trainer scores the samples at the temperature the engine drew them at (NeMo-RL and verl
+        divide the trainer's logits by the sampling temperature too): an unset
+        policy.logprob_temperature takes sampling.temperature, another value is refused."""
+        if self.policy.scoring_temperature != self.sampling.temperature:
+            self.policy = self.policy.scoring_at(
+                self.sampling.temperature, "policy.logprob_temperature", "sampling.temperature"
+            )
+        return self

@@ -78,7 +78,7 @@ class PPOSettings(Config):
         None,
         description="the critic's model (a causal LM gets a new score head; a sequence-classification "
         "model such as `posttrain rm`'s hf/ starts with its head), optimizer, micro-batching and layout; "
-        "None: the policy's config with model.head=score (no reference copy, no LoRA)",
+        "None: the policy's config with model.head=score (no reference copy, no LoRA, no MoE routing replay)",
     )
     critic_lr: float | None = Field(None, gt=0, description="the critic's learning rate (None: its config's)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of GAE")
@@ -131,6 +131,18 @@ class PPOConfig(grpo.GRPOConfig):
                 "ppo.kl_coef > 0 puts KL(pi || pi_ref) in the reward, but policy.init_reference_model=false "
                 "keeps no reference: set policy.init_reference_model=true, or ppo.kl_coef=0"
             )
+        if self.ppo.critic is None and self.policy.parallel.context_parallel_size > 1:
+            raise ValueError(
+                f"the default critic (ppo.critic unset) copies the policy's layout, context_parallel_size="
+                f"{self.policy.parallel.context_parallel_size}, and a scalar-head model does not run with "
+                "context parallelism yet: write a ppo.critic section with parallel.context_parallel_size=1"
+            )
+        if self.ppo.critic is not None and self.ppo.critic.moe.routing_replay != "off":
+            raise ValueError(
+                "ppo.critic.moe.routing_replay=rollout would route the critic's tokens to the experts the "
+                "policy's engine chose (the critic has no engine of its own): set "
+                "ppo.critic.moe.routing_replay=off"
+            )
         critic = critic_config(self)
         if critic.model.head != "score":
             raise ValueError("ppo.critic.model.head=lm: a critic is a scalar-head model; set it to score")
@@ -148,7 +160,11 @@ def critic_config(cfg: PPOConfig) -> PolicyConfig:
     """The critic's PolicyConfig as it runs (see PPOSettings.critic), with `critic_lr` applied."""
     if cfg.ppo.critic is None:
         model = cfg.policy.model.model_copy(update={"head": "score"})
-        critic = cfg.policy.model_copy(update={"model": model, "init_reference_model": False, "lora": None})
+        # the critic routes its own tokens: the engine's routing record is the policy's
+        moe = cfg.policy.moe.model_copy(update={"routing_replay": "off"})
+        critic = cfg.policy.model_copy(
+            update={"model": model, "moe": moe, "init_reference_model": False, "lora": None}
+        )
     else:
         critic = cfg.ppo.critic.model_copy(update={"init_reference_model": False})
     if cfg.ppo.critic_lr is not None:

@@ -192,7 +192,7 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
         "scheduler": [s.model_dump(mode="json") for s in policy.scheduler],
         "precision": policy.precision,
         "max_grad_norm": policy.max_grad_norm,
-        "logprob_temperature": policy.logprob_temperature,
+        "logprob_temperature": policy.scoring_temperature,
         "moe": policy.moe.model_dump(mode="json"),
     }
     if batch_size:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.algorithms.runs import (
@@ -58,6 +58,11 @@ class SFTConfig(Config):
         True, description="save the trained model as an HF directory, <output_dir>/hf"
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _untempered(self) -> SFTConfig:
+        self.policy.check_untempered("SFT")
+        return self
 
 
 def example_batches(examples: list[SFTExample], batch_size: int, seed: int):

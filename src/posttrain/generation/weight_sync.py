@@ -393,7 +393,7 @@ class WeightSync:
         return {"seconds": time.perf_counter() - start, "bytes": stats["bytes"], "version": float(version)}
 
     def _check_local(self, policy, engine: GenerationEngine, reference: torch.Tensor, version: int) -> dict:
-        lp = engine.compute_logprobs(self.probe.sequences, policy.cfg.logprob_temperature)
+        lp = engine.compute_logprobs(self.probe.sequences, policy.cfg.scoring_temperature)
         return self.check(lp, reference, version)
 
     def sync_remote(self, policy, engines: list, group: WeightSyncGroup, version: int) -> dict[str, float]:
@@ -408,7 +408,7 @@ class WeightSync:
         ray.get(pending, timeout=self.cfg.timeout_s)
         metrics = {"seconds": stats["seconds"], "bytes": stats["bytes"], "version": float(version)}
         if reference is not None:
-            temperature = policy.cfg.logprob_temperature
+            temperature = policy.cfg.scoring_temperature
             refs = [e.compute_logprobs.remote(self.probe.sequences, temperature) for e in engines]
             worst: dict[str, float] = {}
             for lp in ray.get(refs, timeout=self.cfg.timeout_s):

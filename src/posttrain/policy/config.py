@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from posttrain.config import Config
 from posttrain.models.hf import TinyModelConfig
@@ -182,8 +182,11 @@ class PolicyConfig(Config):
     train_global_batch_size: int = Field(8, ge=1, description="samples per optimizer step, over all DP ranks")
     microbatch: MicroBatchConfig = Field(default_factory=MicroBatchConfig)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm (None = no clip)")
-    logprob_temperature: float = Field(
-        1.0, gt=0, description="logits are divided by this (the sampling temperature)"
+    logprob_temperature: float | None = Field(
+        None,
+        gt=0,
+        description="logits are divided by this when scoring tokens. None: sampling.temperature in an RL "
+        "run (grpo, grpo-async, ppo, distill; another value is refused there), 1 elsewhere (SFT, DPO)",
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: list[SchedulerStage] = Field(default_factory=list, description="lr stages; empty = constant")
@@ -199,6 +202,8 @@ class PolicyConfig(Config):
         "the same model with its adapters disabled (no copy)",
     )
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    # the sampling temperature an RL run ties an unset logprob_temperature to (scoring_at)
+    _drawn_at: float | None = PrivateAttr(None)
     free_comms_during_generation: bool = Field(
         False,
         description="colocated loop: teardown_comms() after offload, rebuild_comms() before the next "
@@ -209,6 +214,41 @@ class PolicyConfig(Config):
     def dp_size(self) -> int:
         """Data-parallel ranks: cluster.num_workers / (tensor_parallel_size x context_parallel_size)."""
         return self.parallel.dims(self.cluster.num_workers).dp
+
+    @property
+    def scoring_temperature(self) -> float:
+        """What the logits are divided by: `logprob_temperature`; unset, the temperature the run's samples
+        were drawn at (`scoring_at`), else 1."""
+        if self.logprob_temperature is not None:
+            return self.logprob_temperature
+        return 1.0 if self._drawn_at is None else self._drawn_at
+
+    def scoring_at(self, temperature: float, key: str, source: str) -> PolicyConfig:
+        """A copy of this config that scores at `temperature`, the value of `source` (the key whose
+        samples the model scores): an unset `logprob_temperature` follows it (the value is kept beside
+        the fields, so the dumped config still reads unset and follows `source` when loaded again); one
+        written otherwise (under `key`) is refused: a ratio, an importance weight or a KL between
+        distributions at two temperatures is biased."""
+        if self.logprob_temperature is not None and self.logprob_temperature != temperature:
+            raise ValueError(
+                f"{key}={self.logprob_temperature} but {source}={temperature}: the trainer must score "
+                f"tokens at the temperature they were drawn at, or its ratios, importance weights and KL "
+                f"compare two distributions. Set {key}={temperature} or leave it unset (it then follows "
+                f"{source})"
+            )
+        tied = self.model_copy()
+        tied._drawn_at = temperature
+        return tied
+
+    def check_untempered(self, run: str) -> None:
+        """Refuse a logprob_temperature other than 1 in a `run` that trains the model's own distribution."""
+        if self.scoring_temperature != 1.0:
+            raise ValueError(
+                f"policy.logprob_temperature={self.logprob_temperature}: {run} trains the model's own "
+                "distribution (its logits at temperature 1); tempered logits would train logits / "
+                f"{self.logprob_temperature} instead, and the saved model would sample otherwise. Remove "
+                "policy.logprob_temperature (RL runs set it: there it is the sampling temperature)"
+            )
 
     def _check_score_head(self) -> None:
         if self.model.head != "score":

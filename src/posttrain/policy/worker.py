@@ -268,7 +268,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         with self._replay(mb, count=True) as replay:  # open through the backward (recomputation)
             with grad_ctx, self._autocast(), self._capture(mb, step.loss_fn):
                 outputs = model_outputs(
-                    self.model, mb, self.cfg.model.head, self.cfg.logprob_temperature, self.split
+                    self.model, mb, self.cfg.model.head, self.cfg.scoring_temperature, self.split
                 )
             replay.active = False
             loss, metrics = step.loss_fn(outputs, mb.data, one, one)
@@ -389,7 +389,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def get_logprobs(self, batch: TensorDict) -> torch.Tensor:
         """[B, T] logprobs of each token given the previous ones (position 0 and padding: 0)."""
         self._require_head("lm", "get_logprobs")
-        temp = self.cfg.logprob_temperature
+        temp = self.cfg.scoring_temperature
         return self._scatter(
             batch,
             self._infer(batch, lambda mb: microbatch_logprobs(self.model, mb, temp, self.split).float()),
@@ -415,7 +415,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         vocab = self.model.config.vocab_size
         if not 1 <= k <= vocab:
             raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
-        temp = self.cfg.logprob_temperature
+        temp = self.cfg.scoring_temperature
         parts = self._infer(
             batch, lambda mb: microbatch_topk(self.model, mb, k, temp, self.split), share_prefix=False
         )

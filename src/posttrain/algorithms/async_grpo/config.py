@@ -172,6 +172,9 @@ class AsyncGRPORunConfig(GRPORunSections):
                 raise ValueError(f"{section}.{name} is not used by the asynchronous loop; {fix}")
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
+            distill = self.distill.at_temperature(self.sampling.temperature)
+            if distill is not self.distill:
+                self.distill = distill
         return self
 
 

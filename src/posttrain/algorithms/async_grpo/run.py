@@ -115,7 +115,7 @@ def export_fn(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, tokenizer: Any) -
     def export() -> Any:
         probe = sync.trainer_probe(policy) if cfg.weight_sync.probe.enabled else None
         state = policy.engine_state_dict()
-        temperature = cfg.policy.logprob_temperature
+        temperature = cfg.policy.scoring_temperature
         if cfg.rollout.backend != "ray":
             return WeightsPayload(trainer.version, state, probe, temperature)
         import ray
