@@ -78,3 +78,26 @@ def test_rl_runs_score_at_the_sampling_temperature_and_sft_dpo_at_one():
     for cls, run in ((SFTConfig, "SFT"), (DPORunConfig, "DPO")):
         with pytest.raises(ConfigError, match=f"logprob_temperature=0.7: {run} trains the model's own"):
             load_config(cls, None, ["policy.logprob_temperature=0.7"])
+
+
+def test_a_kl_to_the_reference_without_one_is_refused_at_load():
+    """A KL term needs reference logprobs: refused at load (it failed at the first step's logprobs, after
+    a demo's whole SFT stage), naming the key of each run kind."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    no_ref = "policy.init_reference_model=false"
+    cases = [
+        (GRPOConfig, [no_ref, "loss.reference_policy_kl_penalty=0.01"], "loss.reference_policy_kl_penalty"),
+        (
+            AsyncGRPORunConfig,
+            [no_ref, "async_grpo.loss.reference_policy_kl_penalty=0.01"],
+            "async_grpo.loss.reference_policy_kl_penalty",
+        ),
+        (DemoConfig, ["grpo." + no_ref, "grpo.loss.reference_policy_kl_penalty=0.01"], "needs the reference"),
+    ]
+    for cls, overrides, key in cases:
+        with pytest.raises(ConfigError, match=f"{key}.*set policy.init_reference_model=true"):
+            load_config(cls, None, overrides)
+    load_config(GRPOConfig, None, [no_ref])  # no KL term: no reference needed

@@ -255,7 +255,8 @@ def test_a_checkpoint_whose_critic_is_missing_or_from_another_save_is_skipped(tm
     "overrides,message",
     [
         (["grpo.dynamic_sampling=true"], "grpo.dynamic_sampling=false"),
-        (["policy.init_reference_model=false"], "ppo.kl_coef > 0"),
+        (["policy.init_reference_model=false"], "ppo.kl_coef=0.1 needs the reference"),
+        (["policy.init_reference_model=false", "policy.lora.rank=4"], "with LoRA it costs no copy"),
         (["ppo.critic.train_global_batch_size=3"], "does not divide the 16 samples"),
         (["ppo.critic.model.head=lm"], "critic is a scalar-head model"),
         (["ppo.value_clip=0"], "greater than 0"),

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.checkpointing import CheckpointManager
-from posttrain.algorithms.grpo_config import GRPORunSections
+from posttrain.algorithms.grpo_config import GRPORunSections, refuse_kl_without_reference
 from posttrain.algorithms.losses import ClippedPGConfig, ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     RunInterrupted,
@@ -81,6 +81,8 @@ class GRPOConfig(GRPORunSections):
         problem = batch_size_problem(self)
         if problem:
             raise ValueError(problem)
+        kl = self.loss.reference_policy_kl_penalty
+        refuse_kl_without_reference(self.policy, kl, "loss.reference_policy_kl_penalty")
         if self.reward_model is not None and self.env is not None:
             raise ValueError(
                 "reward_model with env: a reward model scores single-turn completions of a task; unset env"

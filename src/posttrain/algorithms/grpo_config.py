@@ -79,6 +79,17 @@ def refuse_dynamic_sampling(loop: GRPOLoopConfig, why: str) -> None:
         )
 
 
+def refuse_kl_without_reference(policy: PolicyConfig, coef: float, key: str) -> None:
+    """Refuse a KL-to-reference term (`key` = `coef` > 0) when the policy keeps no reference (with LoRA
+    the reference is the base model, adapters off: no copy, but still policy.init_reference_model)."""
+    if coef > 0 and not policy.init_reference_model:
+        raise ValueError(
+            f"{key}={coef} needs the reference policy's logprobs, but policy.init_reference_model=false "
+            f"keeps no reference: set policy.init_reference_model=true (with LoRA it costs no copy: the "
+            f"reference is the base model with its adapters off), or {key}=0"
+        )
+
+
 class GRPORunSections(Config):
     """The sections every GRPO run has, synchronous or asynchronous (each means the same in both)."""
 

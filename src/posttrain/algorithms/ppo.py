@@ -31,7 +31,11 @@ from pydantic import Field, field_validator, model_validator
 from tensordict import TensorDict
 
 from posttrain.algorithms import grpo
-from posttrain.algorithms.grpo_config import GRPOLoopConfig, refuse_dynamic_sampling
+from posttrain.algorithms.grpo_config import (
+    GRPOLoopConfig,
+    refuse_dynamic_sampling,
+    refuse_kl_without_reference,
+)
 from posttrain.algorithms.losses import ValueLoss, kl_penalty, token_weights
 from posttrain.config import Config
 from posttrain.generation.sampler import derive_seed
@@ -126,11 +130,7 @@ class PPOConfig(grpo.GRPOConfig):
         refuse_dynamic_sampling(
             self.grpo, "PPO's baseline is the critic, not the group (a group of one always looks flat)"
         )
-        if self.ppo.kl_coef > 0 and not (self.policy.init_reference_model or self.policy.lora is not None):
-            raise ValueError(
-                "ppo.kl_coef > 0 puts KL(pi || pi_ref) in the reward, but policy.init_reference_model=false "
-                "keeps no reference: set policy.init_reference_model=true, or ppo.kl_coef=0"
-            )
+        refuse_kl_without_reference(self.policy, self.ppo.kl_coef, "ppo.kl_coef")
         if self.ppo.critic is None and self.policy.parallel.context_parallel_size > 1:
             raise ValueError(
                 f"the default critic (ppo.critic unset) copies the policy's layout, context_parallel_size="

@@ -15,6 +15,7 @@ from posttrain.algorithms.grpo_config import (
     GRPOLoopConfig,
     GRPORunSections,
     refuse_dynamic_sampling,
+    refuse_kl_without_reference,
 )
 from posttrain.algorithms.losses import ClippedPGConfig
 from posttrain.config import Config
@@ -170,6 +171,8 @@ class AsyncGRPORunConfig(GRPORunSections):
             value = getattr(self, section)
             if getattr(value, name) != type(value).model_fields[name].default:
                 raise ValueError(f"{section}.{name} is not used by the asynchronous loop; {fix}")
+        kl = self.async_grpo.loss.reference_policy_kl_penalty
+        refuse_kl_without_reference(self.policy, kl, "async_grpo.loss.reference_policy_kl_penalty")
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
             distill = self.distill.at_temperature(self.sampling.temperature)
