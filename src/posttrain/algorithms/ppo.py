@@ -81,7 +81,8 @@ class PPOSettings(Config):
     critic: CriticConfig | None = Field(
         None,
         description="the critic's model (a causal LM gets a new score head; a sequence-classification "
-        "model such as `posttrain rm`'s hf/ starts with its head), optimizer, micro-batching and layout; "
+        "model such as `posttrain rm`'s hf/ starts with its head), optimizer, micro-batching and layout, "
+        "a config of its own (keys left out take PolicyConfig's defaults, not the policy's values); "
         "None: the policy's config with model.head=score (no reference copy, no LoRA, no MoE routing replay)",
     )
     critic_lr: float | None = Field(None, gt=0, description="the critic's learning rate (None: its config's)")
