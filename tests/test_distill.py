@@ -239,3 +239,32 @@ def test_the_teacher_scores_at_the_students_temperature(tmp_path):
         distill_cfg(tmp_path, "sampling.temperature=0.6", "distill.teacher.logprob_temperature=1.0")
     with pytest.raises(ValueError, match="set distill.teacher.moe.routing_replay=off"):
         distill_cfg(tmp_path, "distill.teacher.moe.routing_replay=rollout")
+
+
+def test_one_sample_per_prompt_distils_when_the_task_reward_is_off(tmp_path):
+    """The teacher's KL needs no group: groups of one sample train (a step moves the student on every
+    sample's advantages); with distill.reward_weight > 0 the task's group advantage needs two or more."""
+    cfg = distill_cfg(
+        tmp_path,
+        "grpo.num_generations_per_prompt=1",
+        "grpo.num_prompts_per_step=16",
+        "grpo.max_num_steps=1",
+        "grpo.val_period=0",
+    )
+    student = Policy(cfg.policy)
+    start = {k: v.clone() for k, v in student.full_state_dict().items()}
+    run_distill(cfg, policy=student)
+    moved = student.full_state_dict()
+    student.shutdown()
+    assert any(not torch.equal(moved[k], start[k]) for k in moved)
+    (step,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "distill/reverse_kl" in r]
+    assert step["distill/reverse_kl"] != 0
+    with pytest.raises(ValueError, match="grpo.num_generations_per_prompt=1: a group of 1 cannot train"):
+        distill_cfg(tmp_path, "grpo.num_generations_per_prompt=1", "distill.reward_weight=0.5")
+
+
+def test_a_forgotten_teacher_is_refused(tmp_path):
+    """A student of its own with the default teacher (a random tiny model) is refused, naming the key."""
+    (tmp_path / "student").mkdir()
+    with pytest.raises(ValueError, match="distill.teacher.model.name is unset"):
+        DistillConfig.model_validate({"policy": {"model": {"name": str(tmp_path / "student")}}})

@@ -68,6 +68,16 @@ def test_an_async_distillation_run_trains_the_student_and_logs_the_kl(tmp_path):
     policy.shutdown()
 
 
+def test_async_distillation_takes_groups_of_one_unless_the_task_reward_is_on(tmp_path):
+    assert (
+        async_distill_cfg(tmp_path, "grpo.num_generations_per_prompt=1").grpo.num_generations_per_prompt == 1
+    )
+    with pytest.raises(ConfigError, match="a group of 1 cannot train"):
+        async_distill_cfg(tmp_path, "grpo.num_generations_per_prompt=1", "distill.reward_weight=0.5")
+    with pytest.raises(ConfigError, match="a group of 1 cannot train"):
+        small_async_grpo_cfg(tmp_path, "grpo.num_generations_per_prompt=1")
+
+
 def test_async_distillation_refuses_dynamic_sampling_and_a_foreign_teacher(tmp_path):
     with pytest.raises(ConfigError, match="grpo.dynamic_sampling=false"):
         async_distill_cfg(tmp_path, "grpo.dynamic_sampling=true")

@@ -31,9 +31,13 @@ class DistillConfig(grpo.GRPOConfig):
         "runs/distill", description="metrics.jsonl, curves.png, config.yaml and checkpoints/ go here"
     )
 
+    def group_baseline_weight(self) -> float:
+        return self.distill.reward_weight  # the teacher's KL needs no group; the task's advantage does
+
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
         refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
+        self.distill.check_teacher_named(self.policy)
         distill = self.distill.at_temperature(self.sampling.temperature)
         if distill is not self.distill:
             self.distill = distill

@@ -68,6 +68,16 @@ class DistillSettings(Config):
             )
         return self
 
+    def check_teacher_named(self, student: PolicyConfig) -> None:
+        """Refuse a run that distils a student of its own into the default teacher (a random tiny model):
+        the teacher section was most likely forgotten."""
+        if self.teacher.model.name == "tiny" and student.model.name != "tiny":
+            raise ValueError(
+                f"distill.teacher.model.name is unset: the student is {student.model.name!r} and the teacher "
+                "would be a random tiny model. Set distill.teacher.model.name to the teacher's hub name or "
+                "directory (it must share the student's tokenizer)"
+            )
+
     def at_temperature(self, temperature: float) -> DistillSettings:
         """These settings with the teacher scoring at the student's `temperature` (an unset
         distill.teacher.logprob_temperature takes it, another value is refused): the reverse KL compares

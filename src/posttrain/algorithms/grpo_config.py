@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig
 from posttrain.config import Config
@@ -53,17 +53,6 @@ class GRPOLoopConfig(GroupConfig):
         "num_iterations=1); always: compute prev_logprobs in a separate forward",
     )
 
-    @field_validator("num_generations_per_prompt")
-    @classmethod
-    def _groups_of_two(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError(
-                f"a group of {v} cannot train: a sample's advantage is its reward minus its group's mean "
-                "(or the others' mean), so with one sample per prompt every advantage is 0. Use 2 or more "
-                "(4 to 16 is usual)"
-            )
-        return v
-
 
 DISTILLATION_LEARNS_FROM_EVERY_GROUP = (
     "distillation learns from every group (its advantages come from the teacher)"
@@ -108,6 +97,22 @@ class GRPORunSections(Config):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def group_baseline_weight(self) -> float:
+        """How much of a sample's advantage is its reward minus its group's baseline (GRPO: all of it;
+        a run whose advantages come from elsewhere overrides this)."""
+        return 1.0
+
+    @model_validator(mode="after")
+    def _groups_of_two(self) -> GRPORunSections:
+        g = self.grpo.num_generations_per_prompt
+        if g < 2 and self.group_baseline_weight() > 0:
+            raise ValueError(
+                f"grpo.num_generations_per_prompt={g}: a group of {g} cannot train: a sample's advantage is "
+                "its reward minus its group's mean (or the others' mean), so with one sample per prompt "
+                "every advantage is 0. Use 2 or more (4 to 16 is usual)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _logprob_temperature(self) -> GRPORunSections:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from tensordict import TensorDict
 
 from posttrain.algorithms import grpo
@@ -58,11 +58,6 @@ class PPOLoopConfig(GRPOLoopConfig):
     num_generations_per_prompt: int = Field(
         1, ge=1, description="samples per prompt (the critic is the baseline, so one is enough)"
     )
-
-    @field_validator("num_generations_per_prompt")
-    @classmethod
-    def _groups_of_two(cls, v: int) -> int:  # replaces GRPO's check: PPO needs no group
-        return v
 
 
 class CriticConfig(PolicyConfig):
@@ -125,6 +120,9 @@ class PPOConfig(grpo.GRPOConfig):
 
     def passes_over_batch(self) -> int:
         return self.ppo.ppo_epochs
+
+    def group_baseline_weight(self) -> float:
+        return 0.0  # the critic is the baseline: groups of one sample train
 
     @model_validator(mode="after")
     def _check_ppo(self) -> PPOConfig:

@@ -165,6 +165,9 @@ class AsyncGRPORunConfig(GRPORunSections):
         "tokens is the advantage (algorithms/distill_core.py), computed on the trainer for every chunk",
     )
 
+    def group_baseline_weight(self) -> float:
+        return 1.0 if self.distill is None else self.distill.reward_weight
+
     @model_validator(mode="after")
     def _check(self) -> AsyncGRPORunConfig:
         for (section, name), fix in _UNUSED.items():
@@ -175,6 +178,7 @@ class AsyncGRPORunConfig(GRPORunSections):
         refuse_kl_without_reference(self.policy, kl, "async_grpo.loss.reference_policy_kl_penalty")
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
+            self.distill.check_teacher_named(self.policy)
             distill = self.distill.at_temperature(self.sampling.temperature)
             if distill is not self.distill:
                 self.distill = distill
