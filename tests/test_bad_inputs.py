@@ -139,20 +139,60 @@ ROWS = [
         "override-without-equals",
         lambda t: ["grpo", "policy.optimizer.lr"],
         2,
-        lambda t: ["override 'policy.optimizer.lr' has no '='", "dotted.key=value"],
+        lambda t: ["override 'policy.optimizer.lr' has no '='", "e.g. policy.optimizer.lr=1e-4"],
+        not_says=["policy.lr="],  # not a key
+    ).param(),
+    Row(
+        "env-without-name",
+        lambda t: ["grpo", "env.limits.max_turns=3"],
+        2,
+        lambda t: ["set env.name (one of 'calculator', 'guess', 'code', 'custom')"],
+        not_says=["discriminator"],
+    ).param(),
+    # ---- refused at load (exit 2), not when the run builds the policy or the reward model (exit 1)
+    Row(
+        "scheduler-stage-without-steps",
+        lambda t: ["grpo", "policy.scheduler=[{kind: linear}]"],
+        2,
+        lambda t: ["bad value for 'policy.scheduler.0'", "'linear' scheduler stage needs steps > 0"],
+    ).param(),
+    Row(
+        "optimizer-not-importable",
+        lambda t: ["grpo", "policy.optimizer.name=torch.optim.AdamWW"],
+        2,
+        lambda t: ["bad value for 'policy.optimizer.name'", "cannot import 'torch.optim.AdamWW'"],
+    ).param(),
+    Row(
+        "reward-model-workers-on-the-local-backend",
+        lambda t: ["grpo", "reward_model.path=x", "reward_model.cluster.num_workers=2"],
+        2,
+        lambda t: ["reward_model.cluster.num_workers=2 needs reward_model.cluster.backend='ray'"],
+    ).param(),
+    Row(
+        "reward-model-context-parallel",
+        lambda t: [
+            "grpo",
+            "reward_model.path=x",
+            "reward_model.cluster.backend=ray",
+            "reward_model.cluster.num_workers=2",
+            "reward_model.parallel.context_parallel_size=2",
+        ],
+        2,
+        lambda t: ["reward_model.parallel.context_parallel_size=2: context parallelism is not implemented"],
+        not_says=["policy.model.head"],  # a key of a section the user never wrote
     ).param(),
     # ---- silent nonsense refused
     Row(
         "group-of-one-sync",
         lambda t: ["grpo", "grpo.num_generations_per_prompt=1"],
         2,
-        lambda t: ["'grpo.num_generations_per_prompt'", "every advantage is 0", "Use 2 or more"],
+        lambda t: ["grpo.num_generations_per_prompt=1", "every advantage is 0", "Use 2 or more"],
     ).param(),
     Row(
         "group-of-one-async",
         lambda t: ["grpo-async", "grpo.num_generations_per_prompt=1"],
         2,
-        lambda t: ["'grpo.num_generations_per_prompt'", "every advantage is 0", "Use 2 or more"],
+        lambda t: ["grpo.num_generations_per_prompt=1", "every advantage is 0", "Use 2 or more"],
     ).param(),
     Row(
         "global-batch-does-not-divide-step",
@@ -291,8 +331,9 @@ ROWS = [
         lambda t: [
             "bad value for --max-new-tokens: max_new_tokens must be >= 1",
             "bad value for --temperature",
+            "for greedy decoding pass --greedy",
         ],
-        not_says=["pydantic", "validation error for"],
+        not_says=["pydantic", "validation error for", "greedy=True"],
     ).param(),
     Row(
         "generate-model-path-missing",

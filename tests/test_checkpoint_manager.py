@@ -44,6 +44,21 @@ def test_keep_top_k_keeps_the_checkpoint_just_saved_below_a_left_history(tmp_pat
     assert mgr.resume_path().name == "step_3"
 
 
+def test_a_metric_name_the_step_does_not_log_is_warned_about_once(tmp_path, caplog):
+    """A misspelled metric_name scores every checkpoint None, and keep_top_k then keeps the oldest."""
+    cfg = CheckpointingConfig(save_period=1, keep_top_k=1, metric_name="val/acuracy")
+    mgr = CheckpointManager(cfg, tmp_path)
+    for step in (1, 2):
+        mgr.save(FakePolicy(), step, {"step": step}, {"val/accuracy": 0.5, "reward": 0.1})
+    warned = [r.getMessage() for r in caplog.records if "metric_name" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "'val/acuracy' is not among the metrics of step 1 (did you mean 'val/accuracy'?)" in warned[0]
+    caplog.clear()
+    good = CheckpointManager(cfg.model_copy(update={"metric_name": "val/accuracy"}), tmp_path / "good")
+    good.save(FakePolicy(), 1, {"step": 1}, {"val/accuracy": 0.5})
+    assert not [r for r in caplog.records if "metric_name" in r.getMessage()]
+
+
 def test_resume_modes(tmp_path):
     mgr = CheckpointManager(CheckpointingConfig(resume="never"), tmp_path)
     mgr.save(FakePolicy(), 3, {}, {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from posttrain.config import ConfigError, load_config
@@ -101,3 +103,132 @@ def test_a_kl_to_the_reference_without_one_is_refused_at_load():
         with pytest.raises(ConfigError, match=f"{key}.*set policy.init_reference_model=true"):
             load_config(cls, None, overrides)
     load_config(GRPOConfig, None, [no_ref])  # no KL term: no reference needed
+
+
+def test_a_plain_sections_name_keeps_its_other_keys(tmp_path):
+    """`policy.optimizer.name` is a plain key: the optimizer's other keys keep the command's values (the
+    demo's, a file's), not the class defaults (lr 1e-5)."""
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    adam = "torch.optim.Adam"
+    cfg = load_config(DemoConfig, None, [f"sft.policy.optimizer.name={adam}"])
+    assert cfg.sft.policy.optimizer.name == adam and cfg.sft.policy.optimizer.lr == 3e-3
+    path = tmp_path / "c.yaml"
+    path.write_text("policy:\n  optimizer: {lr: 3.0e-4, weight_decay: 0.1}\n")
+    cfg = load_config(GRPOConfig, path, [f"policy.optimizer.name={adam}"])
+    assert (cfg.policy.optimizer.lr, cfg.policy.optimizer.weight_decay) == (3e-4, 0.1)
+    path.write_text(f"policy:\n  optimizer: {{name: {adam}}}\n")
+    assert load_config(GRPOConfig, path).policy.optimizer.lr == GRPOConfig().policy.optimizer.lr
+
+
+def test_another_kind_replaces_a_union_section_of_a_file(tmp_path):
+    """A task's or an environment's `name` picks another kind: the file's keys of the old kind are
+    dropped (not merged into the new kind, where they are unknown keys), whatever the overrides' order;
+    without `name` an override merges into the file's section."""
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.sft import SFTConfig
+    from posttrain.envs.guess import GuessEnvConfig
+
+    path = tmp_path / "demo.yaml"
+    path.write_text("sft:\n  env: {name: calculator, num_train: 50, direct_answer_fraction: 0.6}\n")
+    for overrides in (["sft.env.name=guess"], ["sft.env.limits.max_turns=3", "sft.env.name=guess"]):
+        env = load_config(DemoConfig, path, overrides).sft.env
+        assert isinstance(env, GuessEnvConfig), overrides
+    assert env.limits.max_turns == 3
+    env = load_config(DemoConfig, path, ["sft.env.num_train=30"]).sft.env
+    assert (env.name, env.num_train, env.direct_answer_fraction) == ("calculator", 30, 0.6)
+    path.write_text("task: {max_operand: 5}\n")  # no name: the default kind (arithmetic)
+    assert load_config(SFTConfig, path, ["task.name=chain"]).task.name == "chain"
+    assert load_config(SFTConfig, path, ["task.name=arithmetic"]).task.max_operand == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("runs/exp #3", "runs/exp #3"),  # ' #' started a YAML comment: the value was cut to 'runs/exp'
+        ("Give the answer after #### on the last line", "Give the answer after #### on the last line"),
+        ("Reply in the form Answer: <n>", "Reply in the form Answer: <n>"),  # was a mapping
+        ("- a", "- a"),  # was a list
+        ("'a #b'", "a #b"),  # quotes still make a string
+        ("3", 3),
+        ("[a, 'b #c']", ["a", "b #c"]),
+        ("{x: 1}", {"x": 1}),
+    ],
+)
+def test_an_override_value_is_kept_as_written_where_yaml_would_cut_or_reshape_it(value, expected):
+    from posttrain.config import apply_overrides
+
+    assert apply_overrides({}, [f"x={value}"])["x"] == expected
+
+
+def test_yaml_1_2_scalars_in_files_and_overrides(tmp_path):
+    """`off` is the string 'off' (a documented value of policy.moe.routing_replay; YAML 1.1: False),
+    `0123` is 123 (YAML 1.1: octal 83), `1e-8` a float (YAML 1.1: a string, which reached the optimizer
+    through policy.optimizer.kwargs), true/false in any case are booleans."""
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "policy:\n  moe: {routing_replay: off}\n  optimizer: {kwargs: {eps: 1e-8, amsgrad: TRUE}}\n"
+        "grpo: {seed: 0123}\n"
+    )
+    cfg = load_config(GRPOConfig, path)
+    assert cfg.policy.moe.routing_replay == "off" and cfg.grpo.seed == 123
+    assert cfg.policy.optimizer.kwargs == {"eps": 1e-8, "amsgrad": True}
+    assert isinstance(cfg.policy.optimizer.kwargs["eps"], float)
+    over = ["policy.moe.routing_replay=off", "grpo.seed=0123", "policy.optimizer.kwargs={eps: 1e-8}"]
+    cfg = load_config(GRPOConfig, None, over)
+    assert cfg.policy.moe.routing_replay == "off" and cfg.grpo.seed == 123
+    assert cfg.policy.optimizer.kwargs == {"eps": 1e-8}
+    assert load_config(GRPOConfig, None, ["grpo.seed=0x10"]).grpo.seed == 16
+
+
+@pytest.mark.parametrize("spelling", ["None", "null", "~"])
+def test_none_null_and_tilde_are_none(spelling):
+    """The descriptions say 'None = no clip': `KEY=None` was the string 'None' (refused for a number,
+    a directory named None for a path)."""
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    over = [f"policy.max_grad_norm={spelling}", f"checkpointing.checkpoint_dir={spelling}"]
+    cfg = load_config(GRPOConfig, None, over)
+    assert cfg.policy.max_grad_norm is None and cfg.checkpointing.checkpoint_dir is None
+    quoted = load_config(GRPOConfig, None, ["checkpointing.checkpoint_dir='None'"])
+    assert quoted.checkpointing.checkpoint_dir == "None"
+
+
+def test_a_dumped_config_reads_back_as_written():
+    """config.yaml (dump_config) quotes a string that a loader would read as another type, for this
+    loader and for PyYAML's YAML 1.1 one."""
+    import yaml
+
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.config import YamlLoader, dump_config
+
+    strings = ["off", "0123", "1e-8", "None", "yes"]
+    cfg = load_config(GRPOConfig, None, [f"sampling.stop_strings={strings}"])
+    assert cfg.sampling.stop_strings == strings
+    text = dump_config(cfg)
+    for loader in (YamlLoader, yaml.SafeLoader):
+        assert yaml.load(text, Loader=loader)["sampling"]["stop_strings"] == strings
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        (
+            "policy.scheduler=[{kind: linear}]",
+            "bad value for 'policy.scheduler.0': a 'linear' scheduler stage",
+        ),
+        ("policy.scheduler=[{kind: constant}, {kind: cosine, steps: 9}]", "stage 0 has steps: 0"),
+        ("policy.optimizer.name=torch.optim.AdamWW", "cannot import 'torch.optim.AdamWW'"),
+        ("policy.optimizer.name=torch.nn.Linear", "is not a torch.optim.Optimizer subclass"),
+    ],
+)
+def test_a_schedule_or_optimizer_the_policy_cannot_build_is_refused_at_load(override, says):
+    """Checked by the config, not when the policy builds them (after the model: the demo trained its
+    whole SFT stage first)."""
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(GRPOConfig, None, [override])

@@ -247,3 +247,52 @@ def test_select_without_the_cli():
         "policy.optimizer.kwargs",
     ]
     assert keys[1].value == 3e-3 and keys[1].type == "float"  # SFT's built default
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def help_examples() -> list[list[str]]:
+    """The `posttrain config show ...` command lines in every help text of the CLI (its parsers'
+    descriptions, usages and subcommand helps), as argv lists."""
+    import argparse
+
+    from posttrain.cli import build_parser
+
+    texts, parsers = [], [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        texts.append(parser.format_help())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    lines = {m for text in texts for m in re.findall(r"posttrain (config show(?: [a-z0-9_./=-]+)+)", text)}
+    return [line.split() for line in sorted(lines)]
+
+
+def test_every_config_show_example_in_the_help_runs(capsys, monkeypatch):
+    """The help's example with --config and an override used to refuse its own batch size."""
+    examples = help_examples()
+    assert ["config", "show", "grpo", "policy.optimizer"] in examples
+    assert any("--config" in argv and any("=" in a for a in argv) for argv in examples), examples
+    monkeypatch.chdir(REPO)  # the examples name configs/ relative to the repository
+    for argv in examples:
+        code = main(argv)
+        out = capsys.readouterr()
+        assert code == 0, (argv, out.err)
+        assert out.out.startswith("KEY"), argv
+
+
+def test_overrides_may_stand_on_both_sides_of_the_options(capsys):
+    config = str(REPO / "configs" / "grpo_arithmetic.yaml")
+    code, out, err = show(capsys, "grpo", "grpo.seed=3", "--config", config, "grpo.val_period=5", "grpo")
+    assert code == 0, err
+    shown = rows(out)
+    assert shown["grpo.seed"][1] == "3" and shown["grpo.val_period"][1] == "5"
+    assert shown["grpo.num_prompts_per_step"][1] == "16"  # the file's
+    from posttrain.cli import build_parser
+
+    argv = ["grpo", "grpo.seed=3", "--config", "c.yaml", "--overwrite", "grpo.val_period=5", "--debug"]
+    args = build_parser().parse_args(argv)
+    assert args.overrides == ["grpo.seed=3", "grpo.val_period=5"]
+    assert (args.config, args.overwrite, args.debug) == ("c.yaml", True, True)

@@ -80,6 +80,8 @@ def test_readme_parallel_example_validates():
     [
         ("grpo.num_prompts_per_step=4", "async_grpo.target_prompt_groups_per_step instead"),
         ("grpo.max_num_steps=3", "async_grpo.num_steps instead"),
+        ("grpo.max_num_steps=50", "async_grpo.num_steps instead"),  # its default: written all the same
+        ("grpo.sample_seeds=step", "remove it"),  # its default
         ("async_grpo.seed=7", "set grpo.seed (or task.seed) instead"),
         ("async_grpo.shuffle=false", "always shuffled"),
     ],
@@ -92,6 +94,16 @@ def test_async_run_refuses_keys_it_would_ignore(override, names):
         load_config(AsyncGRPORunConfig, None, [override])
     assert names in str(err.value)
     load_config(AsyncGRPORunConfig, None, ["grpo.seed=7"])  # where the order's seed goes
+
+
+def test_an_async_runs_config_yaml_loads_back(tmp_path):
+    """config.yaml leaves out the keys the asynchronous loop refuses, so it loads back with --config."""
+    from posttrain.config import dump_config
+
+    cfg = load_config(AsyncGRPORunConfig, None, ["grpo.seed=7"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(AsyncGRPORunConfig, path) == cfg
 
 
 @pytest.mark.parametrize("name", ["demo_calculator", "demo_guess", "demo_code"])

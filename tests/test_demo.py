@@ -6,13 +6,16 @@ The full demo (400 GRPO steps) is what `posttrain demo` runs; here the same stag
 
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
 
+import pytest
+
 from posttrain.algorithms.demo import DemoConfig, run_demo
 from posttrain.cli import main
-from posttrain.config import load_config
+from posttrain.config import ConfigError, load_config
 from posttrain.logging import read_metrics
 
 STEPS = 80
@@ -76,3 +79,23 @@ def test_demo_cli_rejects_a_bad_value_with_exit_2(tmp_path, capsys):
     assert main(["demo", f"output_dir={out}", "sft.max_num_steps=-1"]) == 2
     assert "sft.max_num_steps" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "instead"),
+    [
+        ("sft.output_dir=/tmp/x", "set output_dir instead"),
+        ("sft.output_dir=runs/sft", "set output_dir instead"),  # SFTConfig's default: written all the same
+        ("sft.save_final_model=false", "always saves the SFT stage's model"),
+        ("grpo.output_dir=/tmp/x", "set output_dir instead"),
+        ("grpo.policy.model.name=Qwen/Qwen2.5-0.5B", "set sft.policy.model.name"),
+    ],
+)
+def test_keys_the_demo_sets_itself_are_refused(override, instead, capsys):
+    """The demo sets these (the stages' directories under output_dir, the GRPO stage's model): a written
+    value was silently replaced. They are refused, naming what to set instead, and not listed."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"'{re.escape(key)}' cannot be set: .*{re.escape(instead)}"):
+        load_config(DemoConfig, None, [override])
+    assert main(["config", "show", "demo", key.rsplit(".", 1)[0]]) == 0
+    assert f"\n{key} " not in capsys.readouterr().out

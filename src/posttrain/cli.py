@@ -200,6 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
         text = format_validation_error(SamplingParams, err, heading="invalid option")
         for name in flags:
             text = text.replace(f"'{name}'", f"--{name.replace('_', '-')}")
+        text = text.replace("set greedy=True", "pass --greedy")  # SamplingParams' fix, as a flag
         raise ConfigError(text) from None
     tok = load_tokenizer(args.model)
     engine = GenerationEngine(load_model(args.model), tok)
@@ -248,7 +249,7 @@ default.
 examples:
   posttrain config show grpo                      every key of a GRPO run
   posttrain config show grpo policy.optimizer     only the keys under policy.optimizer
-  posttrain config show grpo --config configs/grpo_arithmetic.yaml grpo.num_prompts_per_step=8
+  posttrain config show grpo --config configs/grpo_arithmetic.yaml grpo.num_prompts_per_step=32
 """
 
 
@@ -267,10 +268,28 @@ def check_output_dir(path: str, key: str = "output_dir") -> None:
     raise ValueError(f"{key}='{path}' cannot be used: {problem}. Set {key}=... to a directory you can write")
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A parser whose positionals (a command's overrides) may stand on both sides of its options
+    (`grpo.seed=3 --config FILE grpo.val_period=5`): argparse's intermixed parsing, also when reached
+    as a subcommand. A parser with subcommands of its own parses as argparse does."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        nested = any(a.nargs == argparse.PARSER for a in self._get_positional_actions())
+        if self._intermixed or nested:  # (parse_known_intermixed_args's own passes, Python < 3.12)
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
     for name, fn, text in [
         ("demo", _demo, "built-in demo: SFT warm start then GRPO on arithmetic (CPU, minutes)"),
         ("grpo", _grpo, "GRPO training"),
@@ -327,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=CONFIG_SHOW_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    shows = show.add_subparsers(dest="target", required=True, metavar="COMMAND")
+    shows = show.add_subparsers(
+        dest="target", required=True, metavar="COMMAND", parser_class=_IntermixedParser
+    )
     for name in CONFIG_COMMANDS:
         p = shows.add_parser(
             name,

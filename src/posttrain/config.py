@@ -9,9 +9,10 @@ nearest valid key.
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -24,9 +25,14 @@ class ConfigError(ValueError):
 
 
 class Config(BaseModel):
-    """Base of every config: unknown keys are errors, assignments are validated."""
+    """Base of every config: unknown keys are errors, assignments are validated.
+
+    `refused_keys` (of a command's top-level config): dotted keys its run sets itself or never reads,
+    each with what to do instead. Writing one (in a file or an override) is a ConfigError at load
+    (`build_config`), `config show` does not list them and `dump_config` leaves them out."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    refused_keys: ClassVar[dict[str, str]] = {}
 
 
 def _field_names(model: type[BaseModel]) -> list[str]:
@@ -143,6 +149,9 @@ def format_validation_error(
             lines.append(f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(valid)}.")
         elif e["type"] == "missing":
             lines.append(_describe_missing(owner, key, dotted))
+        elif e["type"] == "union_tag_not_found":  # a union section without its `name`
+            kinds = ", ".join(repr(tag_of(m)) for m in _field_models(owner, key))
+            lines.append(f"'{dotted}' does not say which kind it is: set {dotted}.name (one of {kinds}).")
         elif not dotted:  # a check across sections: its message names the keys
             lines.append(_message(e))
         else:
@@ -151,69 +160,181 @@ def format_validation_error(
     return f"{heading}:\n  " + "\n  ".join(lines)
 
 
+# ------------------------------------------------------------------ YAML: config files and override values
+
+_TAG = "tag:yaml.org,2002:"
+# YAML 1.2's core schema for plain scalars (PyYAML implements YAML 1.1): (tag, pattern, first characters)
+_RESOLVERS = (
+    (_TAG + "bool", r"^(?:[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee])$", "tTfF"),
+    (
+        _TAG + "int",
+        r"^[-+]?(?:[0-9](?:_?[0-9])*|0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+)$",
+        "-+0123456789",
+    ),
+    (
+        _TAG + "float",
+        r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+    (_TAG + "null", r"^(?:~|null|Null|NULL|None|)$", ["~", "n", "N", ""]),
+)
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading plain scalars as YAML 1.2 does, for config files and override values:
+    only true/false (any case) are booleans (`off`, `no`, `y` stay strings: `routing_replay: off` is
+    the value 'off'); an integer with a leading zero is decimal (`0123` is 123; 0x, 0o and 0b keep their
+    base); `1e-8` is a float as `1.0e-8` is (YAML 1.1 wants the dot); null is null, ~, None or nothing;
+    no timestamps."""
+
+
+YamlLoader.yaml_implicit_resolvers = {  # PyYAML's anchors, aliases and merge keys; no 1.1 scalar types
+    first: [(tag, rx) for tag, rx in found if tag in (_TAG + "merge", _TAG + "yaml")]
+    for first, found in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    prefixed = text.lstrip("+-")[:2].lower() in ("0x", "0o", "0b")
+    return int(text, 0 if prefixed else 10)  # '0123' -> 123 (YAML 1.1: octal 83)
+
+
+YamlLoader.add_constructor(_TAG + "int", _construct_int)
+
+
+class YamlDumper(yaml.SafeDumper):
+    """Writes config YAML that YamlLoader and PyYAML's own safe_load both read back as written: a string
+    that either would read as another type ('off', '0123', '1e-8', 'None') is quoted."""
+
+
+for _tag, _pattern, _first in _RESOLVERS:
+    YamlLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+    YamlDumper.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+_NULL = re.compile(_RESOLVERS[3][1])
+
+
 def _parse_scalar(text: str) -> Any:
-    """Parse an override value the way YAML would ('1e-4' -> float, 'true' -> bool, '[1,2]' -> list)."""
+    """An override's value, read as a config file's value is (YamlLoader: `1e-4` a float, `true` a bool,
+    `None` or `null` None, `[1, 2]` a list, `{a: 1}` a mapping; quotes make a string), except that text
+    YAML would cut or reshape stays the text as written: ` #` starts no comment (`runs/exp #3`), `: `
+    makes no mapping (`Answer: <n>`), a line break is kept."""
+    stripped = text.strip()
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError:
-        return text  # not YAML (an unbalanced bracket, a stray colon): the text itself
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            return value
+        return stripped  # not YAML (an unbalanced bracket, a stray colon): the text itself
+    quoted = stripped[:1] in ("'", '"')
+    if isinstance(value, str) and value != stripped and not quoted:
+        return stripped
+    if isinstance(value, (dict, list)) and stripped[:1] not in ("{", "["):
+        return stripped
+    if value is None and not quoted and not _NULL.match(stripped):
+        return stripped  # '...' (YAML's end of document) is text
     return value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides to a nested dict (in place) and return it."""
+def _section(data: dict[str, Any], parts: list[str], item: str, create: bool) -> dict[str, Any] | None:
+    """The section of `data` at `parts` (made when `create`; None when absent); a ConfigError when a part
+    of the way is a value."""
+    node = data
+    for part in parts:
+        child = node.get(part)
+        if child is None and not create:
+            return None
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+        node = child
+    return node
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str], model: type[BaseModel] | None = None
+) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (in place) and return it. The overrides merge into
+    `data` as `deep_merge` merges with the config class `model`: one that changes a task's or an
+    environment's `name` replaces that section of `data` (in any order with the section's other
+    overrides); a mapping value merges into the section it sets."""
+    update: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
-                f"override '{item}' has no '=': write it as dotted.key=value, e.g. policy.lr=1e-4"
+                f"override '{item}' has no '=': write it as dotted.key=value, e.g. policy.optimizer.lr=1e-4"
             )
         key, _, raw = item.partition("=")
         parts = key.strip().split(".")
-        node = data
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = _parse_scalar(raw)
+        _section(data, parts[:-1], item, create=False)
+        _section(update, parts[:-1], item, create=True)[parts[-1]] = _parse_scalar(raw)  # type: ignore[index]
+    merged = deep_merge(data, update, model)
+    data.clear()
+    data.update(merged)
     return data
 
 
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """`update` merged into `base` (new dict). A section whose `name` changes (a different member of a
-    discriminated union, e.g. another task) replaces the base section instead of merging into it."""
+def _field_models(model: type[BaseModel] | None, key: str) -> list[type[BaseModel]]:
+    """The config classes field `key` of `model` holds (several: a discriminated union, as task or env)."""
+    field = model.model_fields.get(key) if model is not None else None
+    return model_candidates(field.annotation) if field is not None else []
+
+
+def _kind(model: type[BaseModel], key: str, section: dict[str, Any]) -> Any:
+    """The kind (`name`) of a union section: its own, else that of the field's default (a task without
+    `name` is the default task)."""
+    if "name" in section:
+        return section["name"]
+    return getattr(model.model_fields[key].get_default(call_default_factory=True), "name", None)
+
+
+def deep_merge(
+    base: dict[str, Any], update: dict[str, Any], model: type[BaseModel] | None = None
+) -> dict[str, Any]:
+    """`update` merged into `base` (new dict); `model` is the config class both describe (None: merge
+    every section). A section that is a discriminated union (task, env) whose `name` changes (another
+    task) replaces the base section instead of merging into it; any other section merges key by key
+    (`policy.optimizer.name=torch.optim.Adam` keeps the other optimizer keys)."""
     out = dict(base)
     for key, value in update.items():
         old = out.get(key)
-        same_kind = not (
-            isinstance(value, dict)
-            and "name" in value
-            and isinstance(old, dict)
-            and old.get("name") != value["name"]
-        )
-        if isinstance(old, dict) and isinstance(value, dict) and same_kind:
-            out[key] = deep_merge(old, value)
-        else:
+        if not (isinstance(old, dict) and isinstance(value, dict)):
             out[key] = value
+            continue
+        kinds = _field_models(model, key)
+        if len(kinds) > 1:
+            kind = _kind(model, key, old)  # model is set: a field has kinds
+            if "name" in value and value["name"] != kind:
+                out[key] = value
+                continue
+            kinds = [m for m in kinds if tag_of(m) == kind]
+        out[key] = deep_merge(old, value, kinds[0] if len(kinds) == 1 else None)
     return out
+
+
+def _written(data: dict[str, Any], path: str) -> bool:
+    """Whether the nested dict `data` has the dotted key `path`."""
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def build_config(cls: type[C], data: dict[str, Any]) -> C:
     """Validate a nested dict into `cls` on top of its defaults (so a nested override keeps the other
-    defaults of its section), raising ConfigError with fix-it messages."""
+    defaults of its section), raising ConfigError with fix-it messages. A key of `cls.refused_keys`
+    in `data` is refused."""
+    refused = [f"'{k}' cannot be set: {why}" for k, why in cls.refused_keys.items() if _written(data, k)]
+    if refused:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(refused))
     try:
         defaults = cls().model_dump(mode="json")
     except ValidationError:  # a config with required fields has no complete default
         defaults = {}
     try:
-        return cls.model_validate(deep_merge(defaults, data))
+        return cls.model_validate(deep_merge(defaults, data, cls))
     except ValidationError as err:
         raise ConfigError(format_validation_error(cls, err)) from None
 
@@ -234,7 +355,7 @@ def _read_yaml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist")
     try:
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = yaml.load(p.read_text(), Loader=YamlLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(
             f"config file '{p}' is not valid YAML: {_yaml_problem(err)}. Fix it there"
@@ -254,10 +375,19 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     data: dict[str, Any] = {}
     if path is not None:
         data = _read_yaml(Path(path))
-    apply_overrides(data, overrides or [])
+    apply_overrides(data, overrides or [], cls)
     return build_config(cls, data)
 
 
 def dump_config(cfg: Config) -> str:
-    """YAML text of a config (used in checkpoints and run directories)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """YAML text of a config (used in checkpoints and run directories), without its `refused_keys`: the
+    file loads back with --config."""
+    data = cfg.model_dump(mode="json")
+    for key in cfg.refused_keys:
+        *parts, last = key.split(".")
+        node = data
+        for part in parts:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return yaml.dump(data, Dumper=YamlDumper, sort_keys=False)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from posttrain.config import ConfigError, model_candidates, nearest_key, tag_of
+from posttrain.config import ConfigError, YamlDumper, model_candidates, nearest_key, tag_of
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ def yaml_text(value: Any) -> str:
     break in JSON's double quotes, which YAML reads too."""
     if isinstance(value, float) and math.isfinite(value):
         return repr(value)
-    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True, sort_keys=False)
+    text = yaml.dump(
+        value, Dumper=YamlDumper, default_flow_style=True, width=math.inf, allow_unicode=True, sort_keys=False
+    )
     text = text.removesuffix("\n...\n").strip()
     return json.dumps(value, ensure_ascii=False) if "\n" in text else text
 
@@ -126,13 +128,15 @@ class _Walk:
 
 def config_keys(cls: type[BaseModel], cfg: BaseModel | None = None) -> list[ConfigKey]:
     """Every key of `cls` in declaration order, with the values of `cfg` (default: `cls()`, or the class
-    defaults of each field when `cls` has required keys)."""
+    defaults of each field when `cls` has required keys); not the keys its command refuses
+    (`Config.refused_keys`: it sets them itself, or does not read them)."""
     if cfg is None:
         try:
             cfg = cls()
         except ValidationError:
             cfg = None
-    return list(_walk(cls, cfg, "", _Walk()))
+    refused = getattr(cls, "refused_keys", {})
+    return [k for k in _walk(cls, cfg, "", _Walk()) if k.path not in refused]
 
 
 def _value(instance: BaseModel | None, name: str, info: FieldInfo) -> tuple[Any, bool]:

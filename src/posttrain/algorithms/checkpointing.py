@@ -30,7 +30,7 @@ from pydantic import Field
 
 from posttrain.checkpoint import verify_checkpoint
 from posttrain.checkpoint_verify import read_json
-from posttrain.config import Config
+from posttrain.config import Config, nearest_key
 from posttrain.logging import get_logger
 
 log = get_logger(__name__)
@@ -74,6 +74,7 @@ class CheckpointManager:
         self.root = Path(cfg.checkpoint_dir or Path(output_dir) / "checkpoints").absolute()
         self.companions = companions  # names of the policies saved beside the policy (see the docstring)
         self.resumed: Path | None = None  # the checkpoint resume_path picked
+        self._metric_checked = False  # whether a save has checked metric_name against its step's metrics
 
     @staticmethod
     def companion_path(path: Path, name: str) -> Path:
@@ -201,11 +202,32 @@ class CheckpointManager:
         for name, other in companions.items():
             other.save_checkpoint(str(self.companion_path(path, name)), {"save_id": save_id, "step": step})
         listed = {name: save_id for name in companions}
+        self._check_metric(step, metrics)
         policy.save_checkpoint(
             str(path), extra_state={**extra_state, "metrics": _finite(metrics), "companions": listed}
         )
         self._prune(path)
         return path
+
+    def _check_metric(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn (once) when `metric_name` is not among the metrics of the first save's step: a misspelled
+        name scores every checkpoint None, and keep_top_k then keeps the oldest ones."""
+        name = self.cfg.metric_name
+        if self._metric_checked or name is None or self.cfg.keep_top_k is None:
+            return
+        self._metric_checked = True
+        if name in metrics:
+            return
+        near = nearest_key(name, sorted(metrics))
+        log.warning(
+            "checkpointing.metric_name=%r is not among the metrics of step %d%s: a checkpoint without "
+            "it ranks last for keep_top_k=%d (pruned first). Name a metric logged at the steps that "
+            "save (validation runs every grpo.val_period steps), e.g. val/accuracy",
+            name,
+            step,
+            f" (did you mean {near!r}?)" if near else "",
+            self.cfg.keep_top_k,
+        )
 
     def _score(self, path: Path) -> float | None:
         name = self.cfg.metric_name

@@ -13,6 +13,7 @@ runs non-colocated: offloading the trainer buys nothing on a host and costs a `g
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -76,6 +77,15 @@ def _default_grpo() -> GRPOConfig:
 
 class DemoConfig(Config):
     """The demo's two stages (the GRPO stage starts from the SFT stage's saved model)."""
+
+    refused_keys: ClassVar[dict[str, str]] = {
+        "sft.output_dir": "the demo writes its SFT stage to <output_dir>/sft; set output_dir instead",
+        "sft.save_final_model": "the demo always saves the SFT stage's model (the GRPO stage starts from "
+        "<output_dir>/sft/hf); remove it",
+        "grpo.output_dir": "the demo writes its GRPO stage to <output_dir>/grpo; set output_dir instead",
+        "grpo.policy.model.name": "the demo's GRPO stage starts from the SFT stage's model "
+        "(<output_dir>/sft/hf); set sft.policy.model.name to start both stages from another model",
+    }
 
     sft: SFTConfig = Field(default_factory=_default_sft)
     grpo: GRPOConfig = Field(default_factory=_default_grpo)

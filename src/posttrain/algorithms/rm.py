@@ -68,8 +68,8 @@ class RMRunConfig(Config):
     @model_validator(mode="before")
     @classmethod
     def _score_head_by_default(cls, data: Any) -> Any:
-        """`policy.model.head` is `score` unless written: a `policy.model` section that names another
-        model replaces the default section whole (config.deep_merge), head included."""
+        """`policy.model.head` is `score` unless written, also in a `policy.model` section validated
+        without the command's defaults (a library's `RMRunConfig.model_validate`)."""
         policy = data.get("policy") if isinstance(data, dict) else None
         model = policy.get("model") if isinstance(policy, dict) else None
         if isinstance(model, dict) and "head" not in model:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+import torch
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from posttrain.config import Config
 from posttrain.models.hf import TinyModelConfig
@@ -73,6 +75,17 @@ class MicroBatchConfig(Config):
     )
 
 
+def import_object(path: str) -> Any:
+    """Import `package.module.Name`; a clear error names the path when it does not resolve."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"'{path}' is not an import path; write it as package.module.Name")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import '{path}': {e}") from e
+
+
 class OptimizerConfig(Config):
     """Any torch optimizer by class path; AdamW by default."""
 
@@ -82,6 +95,15 @@ class OptimizerConfig(Config):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra constructor arguments (betas, eps, ...)"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        """Checked at load (not when the optimizer is built, after the model): the class must import."""
+        found = import_object(name)
+        if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+            raise ValueError(f"'{name}' is not a torch.optim.Optimizer subclass; e.g. torch.optim.AdamW")
+        return name
 
 
 class SchedulerStage(Config):
@@ -96,6 +118,15 @@ class SchedulerStage(Config):
     start_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage start")
     end_factor: float = Field(1.0, ge=0, description="linear: lr factor at the stage end")
     min_factor: float = Field(0.0, ge=0, description="cosine: lr factor at the stage end")
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerStage:
+        if self.kind != "constant" and self.steps == 0:
+            raise ValueError(
+                f"a '{self.kind}' scheduler stage needs steps > 0 (the optimizer steps it spans); only a "
+                "'constant' stage may be open-ended (steps: 0 = the rest of training)"
+            )
+        return self
 
 
 class ParallelConfig(Config):
@@ -258,6 +289,17 @@ class PolicyConfig(Config):
                 "policy.model.head=score with context_parallel_size > 1: context parallelism is not "
                 "implemented for scalar heads yet; use parallel.context_parallel_size=1"
             )
+
+    @field_validator("scheduler")
+    @classmethod
+    def _milestones(cls, stages: list[SchedulerStage]) -> list[SchedulerStage]:
+        for i, s in enumerate(stages[:-1]):
+            if s.steps == 0:
+                raise ValueError(
+                    f"stage {i} has steps: 0, but every scheduler stage but the last needs steps > 0 (where "
+                    "it ends is the next one's start); give it a length or make it the last stage"
+                )
+        return stages
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
@@ -57,6 +57,28 @@ class RewardModelConfig(Config):
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardModelConfig:
+        """What the scalar-head policy that runs it would refuse (when the run builds it, after the
+        trainer), refused at load naming this section's keys."""
+        workers, cp = self.cluster.num_workers, self.parallel.context_parallel_size
+        if self.cluster.backend == "local" and workers != 1:
+            raise ValueError(
+                f"reward_model.cluster.num_workers={workers} needs reward_model.cluster.backend='ray'; "
+                "the local backend runs one rank"
+            )
+        if cp > 1:
+            raise ValueError(
+                f"reward_model.parallel.context_parallel_size={cp}: context parallelism is not implemented "
+                "for scalar heads (a reward model) yet; use reward_model.parallel.context_parallel_size=1"
+            )
+        try:
+            self.policy_config()
+        except ValidationError as err:
+            problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
+            raise ValueError(f"reward_model (its cluster and parallel keys): {problems}") from None
+        return self
 
     def policy_config(self) -> PolicyConfig:
         """The scalar-head policy that runs it (inference only: no reference weights)."""

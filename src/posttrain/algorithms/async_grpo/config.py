@@ -4,7 +4,7 @@ here, plus `async_grpo`, `rollout` and the trainer's chunking)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -139,6 +139,13 @@ _UNUSED = {
 
 class AsyncGRPORunConfig(GRPORunSections):
     """An asynchronous GRPO run (the shared sections mean the same as in GRPOConfig)."""
+
+    # a file or override that writes one is refused (even at its default value: build_config); a
+    # config built otherwise is refused when one differs from its default (_check)
+    refused_keys: ClassVar[dict[str, str]] = {
+        f"{section}.{name}": f"it is not used by the asynchronous loop; {fix}"
+        for (section, name), fix in _UNUSED.items()
+    }
 
     grpo: GRPOLoopConfig = Field(
         default_factory=GRPOLoopConfig,
