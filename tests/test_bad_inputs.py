@@ -39,6 +39,7 @@ SMALL = [
 ]
 SYNC = ["grpo.num_prompts_per_step=2", "grpo.max_num_steps=1"]
 ASYNC = ["async_grpo.target_prompt_groups_per_step=2", "async_grpo.num_steps=1"]
+CHAT_ENV = ["env.name=guess", "policy.model.tokenizer=tiny-chat"]  # an environment and a chat template
 
 
 def make_files(t: Path) -> None:
@@ -238,6 +239,32 @@ ROWS = [
         lambda t: ["grpo", f"output_dir={t / 'run'}", *SMALL, *SYNC, "generation.max_model_len=1024"],
         1,
         lambda t: ["generation.max_model_len=1024 is more positions than the model 'tiny' has 512"],
+    ).param(),
+    Row(
+        "max-model-len-below-env-max-tokens-sync",
+        lambda t: [
+            "grpo",
+            f"output_dir={t / 'run'}",
+            *SMALL,
+            *SYNC,
+            *CHAT_ENV,
+            "generation.max_model_len=24",
+        ],
+        1,
+        lambda t: [
+            "generation.max_model_len=24 is below env.limits.max_tokens=160",
+            "raise generation.max_model_len to at least 160",
+            "or lower env.limits.max_tokens",
+        ],
+    ).param(),
+    Row(
+        "max-model-len-below-env-max-tokens-async",
+        lambda t: (
+            ["grpo-async", f"output_dir={t / 'run'}", *SMALL, *ASYNC, *CHAT_ENV]
+            + ["generation.max_model_len=100", "env.limits.max_tokens=120"]
+        ),
+        1,
+        lambda t: ["generation.max_model_len=100 is below env.limits.max_tokens=120"],
     ).param(),
     Row(
         "sft-example-over-context",

@@ -20,6 +20,7 @@ from posttrain.generation.params import SamplingParams
 from posttrain.models.tokenizer import build_chat_tokenizer
 from posttrain.rollout.chat import ChatRenderer
 from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.episodes import trajectory_rewards
 from posttrain.rollout.rows import samples_to_batch
 from posttrain.rollout.trajectory import run_group, run_trajectory
 
@@ -192,6 +193,61 @@ def test_environment_exception_is_counted_never_rewarded():
     assert batch["advantages"][0].abs().sum() == 0  # the failed one enters no advantage
 
 
+class Answers(Environment):
+    """Opens with one user message and answers every reply with `self.sample.data["step"]`."""
+
+    def reset(self):
+        return self.sample.data.get("opening", [{"role": "user", "content": "hi"}])
+
+    def step(self, message):
+        return self.sample.data["step"]
+
+
+ROLE_CHECK = "{% for m in messages %}{% if m.role == 'narrator' %}{{ raise_exception('no narrator role') }}{% endif %}{% endfor %}"
+BAD_ANSWERS = {
+    "no messages": ({"step": EnvStep()}, "step() returned no messages and did not end the episode"),
+    "not dicts": ({"step": EnvStep(["higher"])}, "step() must give its messages as a list of dicts"),
+    "template refuses": (
+        {"step": EnvStep([{"role": "narrator", "content": "x"}])},
+        "could not render the messages of step(): TemplateError: no narrator role",
+    ),
+    "empty opening": ({"opening": [], "step": EnvStep()}, "could not render the messages of reset"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ANSWERS.values(), ids=BAD_ANSWERS.keys())
+def test_an_environment_answering_wrongly_fails_its_trajectories_not_the_group(case):
+    data, error = case
+    tok = build_chat_tokenizer()
+    tok.chat_template = ROLE_CHECK + tok.chat_template
+    engine = ScriptedEngine(tok, lambda prompt, turn: "ok" + END)
+    trajs = asyncio.run(run_group(engine, tok, suite(Answers), EnvSample(0, data), 3, SAMPLING, seed=0))
+    assert [t.failed for t in trajs] == [True] * 3 and all(math.isnan(t.reward) for t in trajs)
+    assert all(error in t.error for t in trajs), trajs[0].error
+    assert len(engine.ended) == 3  # every session released
+
+
+def test_an_opening_longer_than_max_tokens_fails_its_trajectory_and_is_logged(caplog):
+    tok = build_chat_tokenizer()
+    engine = ScriptedEngine(tok, lambda prompt, turn: "a" + END)
+    spec = suite(Answers, max_tokens=40)
+    done = EnvStep(done=True, reward=1.0)
+    samples = [
+        EnvSample(i, {"opening": [{"role": "user", "content": "x" * n}], "step": done})
+        for i, n in enumerate([5, 60])
+    ]
+    short, long = (play(engine, spec, s) for s in samples)
+    assert not short.failed and short.reward == 1.0 and len(engine.calls) == 1  # the long one sampled nothing
+    assert long.failed and math.isnan(long.reward) and long.prompt_token_ids == [tok.eos_token_id]
+    assert long.error == (
+        "the opening messages take 78 tokens and env.limits.max_tokens=40 leaves no room for a reply; raise "
+        "env.limits.max_tokens (or shorten the environment's opening)"
+    )
+    assert long.error in caplog.text
+    rewards, failed, metrics = trajectory_rewards([short, long])
+    assert failed.tolist() == [False, True] and metrics["env/failed"] == 1.0
+
+
 def test_limits_cut_the_episode_with_the_truncated_reward():
     tok = build_chat_tokenizer()
     spec = suite(Chatty, max_turns=2, max_tokens=400, truncated_reward=-0.5)
@@ -235,6 +291,50 @@ def test_history_rewriting_template_is_caught_and_trained_ids_stay_sampled():
     assert naive != traj.prompt_token_ids + traj.token_ids
     assert "</think>" not in tok.decode(naive[: len(naive) // 2], skip_special_tokens=False)
     assert tok.decode(traj.token_ids, skip_special_tokens=False).count("</think>") == 3
+
+
+# as Qwen3's official template: an empty thinking block before the last assistant reply only, dropped
+# once more messages follow
+LAST_REPLY_THINKS = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_reply_apart_gives_the_observations_it_renders_in_a_conversation():
+    tok = build_chat_tokenizer()
+    tok.chat_template = LAST_REPLY_THINKS
+    obs = ChatRenderer(tok).observation([{"role": "user", "content": "higher"}])
+    assert (
+        tok.decode(obs, skip_special_tokens=False)
+        == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    )
+    replies = ["8" + END, "4" + END, "5" + END]
+    traj = play(
+        ScriptedEngine(tok, lambda p, t: replies[t]),
+        build_env(GuessEnvConfig()),
+        EnvSample(0, {"secret": 5, "max_number": 15}),
+    )
+    assert not traj.failed and traj.reward == pytest.approx(1 - 2 / 5) and len(traj.turns) == 3
+    # the row is the conversation as the template renders it with the turns that follow
+    messages = [{"role": "user", "content": "guess 1-15"}]
+    for r, fb in zip(replies, ["lower", "higher"]):
+        messages += [{"role": "assistant", "content": r.removesuffix(END)}, {"role": "user", "content": fb}]
+    whole = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + replies[-1]
+    assert tok.decode(traj.prompt_token_ids + traj.token_ids, skip_special_tokens=False) == whole
+
+
+def test_renderer_refuses_a_template_that_drops_a_finished_reply():
+    tok = build_chat_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}(earlier reply){% else %}{{ m.content }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(ValueError, match="renders a finished assistant turn the same way whatever follows"):
+        ChatRenderer(tok).observation([{"role": "user", "content": "higher"}])
 
 
 def test_renderer_refuses_a_template_without_a_special_end_of_turn():

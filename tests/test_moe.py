@@ -19,6 +19,8 @@ import torch
 from helpers import policy_cfg, small_grpo_cfg
 from model_zoo import FAMILIES, family_config, save_family_model
 from posttrain.algorithms import grpo
+from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.losses import ClippedPGLoss
 from posttrain.data.batch import make_batch
 from posttrain.generation.engine import GenerationEngine
@@ -230,6 +232,18 @@ def test_a_grpo_run_with_routing_replay_trains_and_logs_the_disagreement(tmp_pat
     assert metrics["train/moe/routing_replayed"] > 0
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     run.policy.shutdown()
+
+
+@pytest.mark.parametrize("config", [GRPOConfig, AsyncGRPORunConfig], ids=["sync", "async"])
+def test_routing_replay_with_an_environment_is_refused(config):
+    env = {"name": "calculator", "num_train": 20, "num_eval": 5}
+    with pytest.raises(ValueError, match="env \\(calculator\\) with policy.moe.routing_replay=rollout") as e:
+        config(env=env, policy={"moe": {"routing_replay": "rollout"}})
+    assert "set policy.moe.routing_replay=off, or unset env" in str(e.value)
+    assert (
+        config(env=env, policy={"moe": {"aux_loss_coef": 0.01}}).env.name == "calculator"
+    )  # no routing data
+    assert config(policy={"moe": {"routing_replay": "rollout"}}).env is None  # single-turn tasks replay
 
 
 def test_routing_replay_is_refused_where_it_does_not_run(tmp_path):

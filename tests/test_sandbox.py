@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -19,9 +23,11 @@ from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.code import (
     CodeEnvConfig,
     CodeEnvironment,
+    UnitTest,
     code_demonstration,
     code_samples,
     extract_code,
+    harness_program,
 )
 from posttrain.envs.code_problems import NUM_BUILTIN_PROBLEMS
 from posttrain.envs.sandbox import (
@@ -143,6 +149,124 @@ def test_processes_that_leave_the_group_die_with_the_run():
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('main done')"
     r = run_python(code, FAST)
     assert r.ok and r.stdout == "main done\n" and r.killed is None
+
+
+def _tree(root: int) -> dict[int, str]:
+    """The live descendants of process `root`: pid -> start time (a reused pid has another)."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            if fields[0] not in "ZX":  # zombies are dead, only not yet reaped
+                stats[int(entry)] = (int(fields[1]), fields[19])
+    tree, grew = {}, True
+    while grew:
+        found = {
+            pid: start for pid, (ppid, start) in stats.items() if ppid in {root, *tree} and pid not in tree
+        }
+        tree.update(found)
+        grew = bool(found)
+    return tree
+
+
+def _still_alive(tree: dict[int, str]) -> list[int]:
+    alive = []
+    for pid, start in tree.items():
+        with contextlib.suppress(OSError, IndexError):
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            if fields[0] not in "ZX" and fields[19] == start:
+                alive.append(pid)
+    return alive
+
+
+@pytest.mark.parametrize("network", ["isolate", "allow"])
+def test_a_run_dies_with_a_killed_parent(network):
+    if network == "isolate" and ISOLATION_PROBLEM:
+        pytest.skip(ISOLATION_PROBLEM)
+    code = "import time\ntime.sleep(600)"
+    script = (
+        "from posttrain.envs.sandbox import SandboxConfig, run_python\n"
+        f"run_python({code!r}, SandboxConfig(wall_timeout_s=600, network={network!r}))"
+    )
+    src = os.path.dirname(os.path.dirname(os.path.dirname(sandbox.__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": src})
+    try:
+        for _ in range(600):  # until the program runs (bounded: the loop fails the test below)
+            tree = _tree(parent.pid)
+            programs = [
+                p for p in tree if open(f"/proc/{p}/cmdline").read().split("\0")[-2:] == ["main.py", ""]
+            ]
+            if programs:
+                break
+            time.sleep(0.05)
+        assert programs, "the sandboxed program never started"
+        workdir = os.readlink(f"/proc/{programs[0]}/cwd")
+    finally:
+        parent.kill()  # SIGKILL: no chance to clean up
+        parent.wait()
+    for _ in range(600):
+        if not _still_alive(tree):
+            break
+        time.sleep(0.05)
+    left = _still_alive(tree)
+    for pid in left:  # do not leak them into the rest of the session
+        os.kill(pid, 9)
+    shutil.rmtree(workdir, ignore_errors=True)  # the parent had no time to remove it
+    assert len(tree) == (3 if network == "isolate" else 2) and not left
+
+
+PIDS_CGROUP = sandbox._pids_parent() if sys.platform.startswith("linux") else "not Linux"
+FORKS = """
+import os, sys, time
+n = 0
+for i in range(24):
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        break
+    if pid == 0:  # a child that leaves the group and lets the run end, as one meant to outlive it would
+        os.setsid()
+        for fd in (0, 1, 2):
+            os.close(fd)
+        time.sleep(60)
+        os._exit(0)
+    n += 1
+print(n, pid)
+"""
+
+
+@pytest.mark.skipif(isinstance(PIDS_CGROUP, str), reason=str(PIDS_CGROUP))
+@pytest.mark.parametrize("network", ["isolate", "allow"])
+def test_max_processes_bounds_the_programs_processes_and_none_outlives_the_run(network):
+    if network == "isolate" and ISOLATION_PROBLEM:
+        pytest.skip(ISOLATION_PROBLEM)
+    cfg = FAST.model_copy(update={"network": network})
+    r = run_python(FORKS, cfg.model_copy(update={"max_processes": 6}))
+    forks, last = map(int, r.stdout.split())
+    assert r.ok and forks == 5  # the program and 5 children
+    for _ in range(
+        200 if network == "allow" else 0
+    ):  # (isolated, the PID namespace took them: pid ns-local)  # the run's cgroup is killed and removed as the run ends (poll: they die async)
+        if (
+            not os.path.exists(f"/proc/{last}")
+            or open(f"/proc/{last}/stat").read().split(")")[1].split()[0] in "ZX"
+        ):
+            break
+        time.sleep(0.05)
+    else:
+        assert network == "isolate", f"the forked child {last} outlived the run"
+    assert not [d for d in os.listdir(PIDS_CGROUP) if d.startswith("posttrain-sandbox-")]
+    r = run_python(FORKS.replace("time.sleep(60)", "time.sleep(0)"), cfg)
+    assert r.stdout.split()[0] == "24"  # unbounded without it
+
+
+def test_max_processes_without_a_pids_cgroup_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(sandbox, "_pids_parent", lambda: "no cgroup with the pids controller")
+    with pytest.raises(
+        SandboxUnavailableError, match="max_processes=8 needs a cgroup pids controller.*unset"
+    ):
+        run_python("print(1)", FAST.model_copy(update={"max_processes": 8}))
+    assert run_python("print(1)", FAST).stdout == "1\n"
 
 
 def test_cancelling_a_run_kills_it_and_removes_its_directory(monkeypatch):
@@ -294,6 +418,39 @@ def test_replies_without_code_and_simple_reward_hacks_pass_nothing():
     cut = CodeEnvConfig(sandbox=FAST, num_problems=40, max_attempts=2)
     env = CodeEnvironment(sample, cut)
     assert "No ```python code block" in step(env, "no code").messages[0]["content"]
+
+
+# a wrong f (returns None) dressed up to pass: patch the harness, its builtins or json, or read the
+# nonce off the harness's frame and print a report of every test passed
+HARNESS_HACKS = {
+    "__main__._check": "import __main__\n__main__._check = lambda *a: None",
+    "builtins.eval": "import builtins\nbuiltins.eval = lambda *a, **k: 0",
+    "json.dumps": "import json\nreal = json.dumps\njson.dumps = lambda o, **k: real(o, **k) if isinstance(o, dict) else 'x'",
+    "fake report": (
+        "import os, sys\nnonce = sys._getframe(1).f_locals['nonce']\n"
+        'ok = \'{"passed": 5, "total": 5, "failure": null, "results": []}\'\n'
+        "os.write(1, (chr(10) + nonce + ' ' + ok + chr(10)).encode())\nos._exit(0)"
+    ),
+}
+
+
+@pytest.mark.parametrize("hack", HARNESS_HACKS.values(), ids=HARNESS_HACKS.keys())
+def test_a_solution_that_rewrites_the_harness_passes_nothing(hack):
+    cfg = code_cfg(max_attempts=1)
+    sample = first_problem(cfg)
+    out = step(CodeEnvironment(sample, cfg), reply(hack + "\ndef f(*args):\n    return None"))
+    assert out.done and out.reward == 0.0 and not out.success
+    assert out.info["tests_passed_fraction"] == 0.0
+
+
+def test_expected_values_stay_out_of_the_sandbox_and_tests_must_compare_with_a_literal():
+    tests = [UnitTest.parse("assert f(2, [1]) == [3, 'x']"), UnitTest.parse("assert g() == 98765")]
+    assert [(t.call, t.expected) for t in tests] == [("f(2, [1])", [3, "x"]), ("g()", 98765)]
+    program = harness_program("def f(a, b):\n    return 1", tests)
+    assert "f(2, [1])" in program and "'x'" not in program and "98765" not in program
+    for bad in ("assert f(1) > 2", "assert f(1) == g(2)", "f(1)"):
+        with pytest.raises(ValueError, match="not of the form `assert EXPR == LITERAL`"):
+            UnitTest.parse(bad)
 
 
 def test_extract_code_takes_the_last_block():

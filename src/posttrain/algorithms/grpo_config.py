@@ -124,3 +124,15 @@ class GRPORunSections(Config):
                 self.sampling.temperature, "policy.logprob_temperature", "sampling.temperature"
             )
         return self
+
+    @model_validator(mode="after")
+    def _env_without_routing_replay(self) -> GRPORunSections:
+        """A trajectory of an environment keeps no routing (its replies are sampled turn by turn): the
+        trainer would route its own tokens while the config asks for replay, so the pair is refused."""
+        if self.env is not None and self.policy.moe.routing_replay != "off":
+            raise ValueError(
+                f"env ({self.env.name}) with policy.moe.routing_replay={self.policy.moe.routing_replay}: "
+                "multi-turn trajectories do not carry the engine's MoE routing, so the trainer could not "
+                "replay it; set policy.moe.routing_replay=off, or unset env to train on a single-turn task"
+            )
+        return self

@@ -10,19 +10,25 @@ failing assert (or error, or why the sandbox stopped the code) and tries again, 
 after the last attempt the reward is the fraction of tests that attempt passed (0 when the sandbox
 killed it). A reply without a code block counts as an attempt that passed nothing.
 
-The test harness compares `f(...) == expected` through `json.dumps` (an object whose `__eq__` always
-says True does not pass) and reports through a line keyed by a nonce the program reads from stdin
-before the solution runs, so printing a fake report does not pass either. It resists simple reward
-hacks, not a model that inspects the harness's own frames.
+The verdict is the trainer's, not the sandbox's: the program run there holds the solution and, after
+it, only the call of each test (`f(3)`, never the expected value); it prints each call's value
+serialized with `json.dumps` (an object that is not JSON as `{"<object>": repr}`) on one line keyed
+by a nonce it reads from stdin before the solution runs. The trainer's process parses the asserts,
+takes the expected values from their literals and compares serializations: an object whose `__eq__`
+always says True passes nothing, and so does a solution that rewrites the harness, `builtins` or
+`json` in its interpreter; all it controls is the values it reports, which must be the right ones.
+(The sandbox is no security boundary: a program that finds the problem set on disk can still read the
+answers; see envs/sandbox.py.)
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -116,59 +122,74 @@ def extract_code(text: str) -> str | None:
 
 
 _HARNESS = """\
-import ast, json, os, sys, traceback
+import json, os, sys, traceback
 
 
 def _error(e):
     return traceback.format_exception_only(type(e), e)[-1].strip()
 
 
-def _check(test, ns, dumps):
-    node = ast.parse(test).body[0]
-    t = node.test if isinstance(node, ast.Assert) else None
-    if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-        call = ast.unparse(t.left)
-        try:
-            got = eval(compile(ast.Expression(t.left), "test", "eval"), ns)
-        except BaseException as e:
-            return f"{test}: {call} raised {_error(e)}"
-        want = eval(compile(ast.Expression(t.comparators[0]), "test", "eval"), {})
-        tag = lambda o: {"<object>": repr(o)}
-        if dumps(got, default=tag) == dumps(want, default=tag):
-            return None
-        return f"{test}: {call} returned {repr(got)[:200]}"
-    try:
-        exec(compile(test, "test", "exec"), ns)
-    except BaseException as e:
-        return f"{test}: {_error(e)}"
-    return None
-
-
-def _main(nonce, source, tests, write=os.write, dumps=json.dumps):
+def _main(nonce, source, calls, write=os.write, dumps=json.dumps, compile=compile, eval=eval, repr=repr):
+    tag = lambda o: {"<object>": repr(o)}
     ns = {"__name__": "solution"}
-    report = {"passed": 0, "total": len(tests), "failure": None}
+    report = {"results": []}
     try:
         exec(compile(source, "solution.py", "exec"), ns)
     except BaseException as e:
-        report["failure"] = f"the code failed: {_error(e)}"
-        tests = []
-    for test in tests:
-        problem = _check(test, ns, dumps)
-        if problem is None:
-            report["passed"] += 1
-        elif report["failure"] is None:
-            report["failure"] = problem
+        report = {"failure": "the code failed: " + _error(e)}
+        calls = []
+    for call in calls:
+        try:
+            got = eval(compile(call, "test", "eval"), ns)
+            report["results"].append({"value": dumps(got, default=tag), "repr": repr(got)[:200]})
+        except BaseException as e:
+            report["results"].append({"error": _error(e)})
     write(1, ("\\n" + nonce + " " + dumps(report) + "\\n").encode())
 
 
-_main(sys.stdin.readline().strip(), SOURCE, TESTS)
+_main(sys.stdin.readline().strip(), SOURCE, CALLS)
 """
 
 
-def harness_program(code: str, tests: list[str]) -> str:
-    """The program the sandbox runs: `code` as solution.py, then each assert in `tests`; it reports
-    one line `NONCE {"passed", "total", "failure"}` with the nonce it reads from stdin first."""
-    return _HARNESS.replace("SOURCE, TESTS)", f"{code!r}, {tests!r})")
+@dataclass(frozen=True)
+class UnitTest:
+    """One `assert CALL == EXPECTED` line of a problem: the call the sandbox evaluates (`call`) and the
+    expected value, parsed here from its literal (it never enters the sandbox)."""
+
+    text: str
+    call: str
+    expected: Any
+
+    @classmethod
+    def parse(cls, test: str) -> UnitTest:
+        """`test` must read `assert EXPR == LITERAL` (a Python literal: numbers, strings, lists, ...)."""
+        node = ast.parse(test).body
+        t = node[0].test if len(node) == 1 and isinstance(node[0], ast.Assert) else None
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            try:
+                return cls(test, ast.unparse(t.left), ast.literal_eval(t.comparators[0]))
+            except ValueError:
+                pass
+        raise ValueError(
+            f"the code test {test!r} is not of the form `assert EXPR == LITERAL`; the harness compares "
+            "the value of EXPR with the literal outside the sandbox, so write the expected value out"
+        )
+
+    def wanted(self) -> str:
+        """The expected value serialized as the harness serializes the value it got."""
+        return json.dumps(self.expected, default=_tag)
+
+
+def _tag(o: Any) -> dict[str, str]:
+    return {"<object>": repr(o)}
+
+
+def harness_program(code: str, tests: list[UnitTest]) -> str:
+    """The program the sandbox runs: `code` as solution.py, then the call of each test; it reports one
+    line `NONCE {"results": [{"value": JSON, "repr": ...} | {"error": ...}, ...]}` (or `{"failure": ...}`
+    when the code itself raised) with the nonce it reads from stdin first. The expected values are not
+    in it: the verdict is the parent's (`_verdict`)."""
+    return _HARNESS.replace("SOURCE, CALLS)", f"{code!r}, {[t.call for t in tests]!r})")
 
 
 @dataclass
@@ -185,8 +206,8 @@ class Verdict:
         return self.passed / self.total if self.total else 0.0
 
 
-def _verdict(result: SandboxResult, nonce: str, total: int, cfg: CodeEnvConfig) -> Verdict:
-    sb = cfg.sandbox
+def _verdict(result: SandboxResult, nonce: str, tests: list[UnitTest], cfg: CodeEnvConfig) -> Verdict:
+    sb, total = cfg.sandbox, len(tests)
     stopped = {
         "cpu": f"it used more than {sb.cpu_time_s} s of CPU time (an endless loop?)",
         "memory": f"it ran out of memory ({sb.memory_mb} MB)",
@@ -201,11 +222,34 @@ def _verdict(result: SandboxResult, nonce: str, total: int, cfg: CodeEnvConfig) 
             return Verdict(0, total, f"Your code was stopped: {stopped['memory']}.", "memory")
         tail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.exit_code}"]
         return Verdict(0, total, f"Your code exited before the tests ran: {tail[0]}", None)
-    report = json.loads(line[len(nonce) + 1 :])
-    failure = report["failure"] or ""
-    return Verdict(
-        int(report["passed"]), total, f"{report['passed']}/{total} tests passed. {failure}".strip()
-    )
+    return _score(line[len(nonce) + 1 :], tests)
+
+
+def _score(report_text: str, tests: list[UnitTest]) -> Verdict:
+    """Compare the values the harness reported with the expected ones (computed here, not in the
+    sandbox): a test passes when its value serializes as the expected value does."""
+    total = len(tests)
+    try:
+        report = json.loads(report_text)
+        results = report.get("results")
+        failure = report.get("failure")
+        if failure is not None or not isinstance(results, list) or len(results) != total:
+            return Verdict(
+                0, total, f"0/{total} tests passed. {failure or 'The test report was incomplete.'}"
+            )
+        passed, first = 0, None
+        for test, got in zip(tests, results):
+            if "error" in got:
+                problem = f"{test.text}: {test.call} raised {got['error']}"
+            elif got["value"] == test.wanted():
+                passed += 1
+                continue
+            else:
+                problem = f"{test.text}: {test.call} returned {str(got['repr'])[:200]}"
+            first = first or problem
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return Verdict(0, total, f"0/{total} tests passed. The test report was malformed.")
+    return Verdict(passed, total, f"{passed}/{total} tests passed. {first or ''}".strip())
 
 
 class CodeEnvironment(Environment):
@@ -237,7 +281,7 @@ class CodeEnvironment(Environment):
 
     async def check(self, text: str) -> Verdict:
         """Run the reply's code with this problem's tests in the sandbox."""
-        tests = self.sample.data["tests"]
+        tests = [UnitTest.parse(t) for t in self.sample.data["tests"]]
         code = extract_code(text)
         if code is None:
             return Verdict(
@@ -245,4 +289,4 @@ class CodeEnvironment(Environment):
             )
         nonce = secrets.token_hex(16)
         result = await arun_python(harness_program(code, tests), self.cfg.sandbox, stdin=nonce + "\n")
-        return _verdict(result, nonce, len(tests), self.cfg)
+        return _verdict(result, nonce, tests, self.cfg)

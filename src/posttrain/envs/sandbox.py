@@ -10,6 +10,15 @@ The process tree (the launcher is envs/_sandbox_child.py):
       └─ init of the PID namespace: waits for the program, reports its exit status and CPU time
            └─ the program, with rlimits: CPU seconds, address space, file size, open files, no core
 
+The rlimits are per process: a program that forks gives each child its own CPU seconds and address
+space. `max_processes` (opt-in) bounds how many processes and threads it may have at once, through a
+cgroup of the pids controller made for the run (the launcher joins it before anything forks; at the
+end whatever is left in it is killed and the cgroup removed); it needs a pids controller this process
+may make a cgroup in (root, or a delegated cgroup), `check_sandbox` refuses it where there is none.
+(RLIMIT_NPROC would not do: it counts all of the user's processes outside a user namespace, and
+exempts root.) The launcher and the processes it forks die with their parent (PR_SET_PDEATHSIG), so a
+trainer killed without cleaning up (OOM killer, a killed Ray actor) leaves no run behind.
+
 Past `wall_timeout_s`, or once stdout and stderr together pass `max_output_bytes` (read as they come,
 the first bytes kept), the launcher's process group is killed; the PID namespace then takes every
 process the program started with it, also ones that left the group. `SandboxResult.killed` says why a
@@ -20,7 +29,7 @@ MemoryError or ENOMEM in a failed run's stderr; under RLIMIT_AS Python raises in
 Linux only. Network isolation needs unprivileged user namespaces; `check_sandbox` (called by every
 run, a probe cached per process) raises `SandboxUnavailableError` naming what is missing and the fix.
 `network: allow` runs without namespaces: the host's network, and a program that calls setsid()
-can outlive the run.
+can outlive the run (unless `max_processes` is set: its cgroup is emptied at the end).
 
 Not a security boundary against a determined attacker: the program runs as your user and can read
 what you can read and write outside its directory. It bounds resources and cuts the network; run the
@@ -80,10 +89,13 @@ class SandboxConfig(Config):
     """Limits of one sandboxed run."""
 
     cpu_time_s: int = Field(
-        2, ge=1, description="CPU seconds (RLIMIT_CPU); past them SIGXCPU stops the program"
+        2, ge=1, description="CPU seconds of each process (RLIMIT_CPU); past them SIGXCPU stops the program"
     )
     memory_mb: int = Field(
-        512, ge=64, description="address space in MiB (RLIMIT_AS); allocations past it raise MemoryError"
+        512,
+        ge=64,
+        description="address space in MiB of each process (RLIMIT_AS, per process: the program's children "
+        "get as much each; max_processes bounds their number); allocations past it raise MemoryError",
     )
     max_output_bytes: int = Field(
         65536, ge=1024, description="stdout and stderr kept, together; past it the program is killed"
@@ -94,6 +106,14 @@ class SandboxConfig(Config):
     max_open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
     max_file_mb: int = Field(
         16, ge=1, description="size of any file written, MiB (RLIMIT_FSIZE); writes past it fail"
+    )
+    max_processes: int | None = Field(
+        None,
+        ge=1,
+        description="processes and threads the program and all it starts may have at once (a pids cgroup "
+        "per run; needs a cgroup pids controller this process may write to: root, or a delegated cgroup; "
+        "refused with the fix where there is none). None: no bound; then, as cpu_time_s and memory_mb "
+        "bound each process, N processes may use N x memory_mb",
     )
     network: Literal["isolate", "allow"] = Field(
         "isolate",
@@ -139,6 +159,12 @@ def check_sandbox(cfg: SandboxConfig) -> None:
             f"the sandbox's memory limit (RLIMIT_AS) is enforced only on Linux, not on {sys.platform}; "
             "run on Linux (a container will do)"
         )
+    if cfg.max_processes is not None and isinstance(_pids_parent(), str):
+        raise SandboxUnavailableError(
+            f"sandbox.max_processes={cfg.max_processes} needs a cgroup pids controller to make a cgroup in: "
+            f"{_pids_parent()}; run as root, give this process a delegated cgroup (systemd-run --user "
+            "--scope -p Delegate=yes ...), or unset sandbox.max_processes"
+        )
     if cfg.network == "isolate":
         problem = _namespaces_error()
         if problem is not None:
@@ -164,6 +190,65 @@ def _namespaces_error() -> str | None:
     return None if proc.returncode == 0 else proc.stderr.strip() or f"the probe exited {proc.returncode}"
 
 
+@functools.cache
+def _pids_parent() -> Path | str:
+    """The cgroup (of the pids controller, v1 or v2) of this process, where a run's own cgroup can be
+    made, or why there is none."""
+    try:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError as e:
+        return f"cannot read /proc ({e})"
+    for line in mounts:
+        fields, _, fs = line.partition(" - ")
+        root, point = fields.split()[3:5]
+        kind, _, options = fs.split()[:3]
+        if kind == "cgroup" and "pids" in options.split(","):  # v1: the pids hierarchy's own line
+            mine = [c.split(":", 2)[2] for c in own if "pids" in c.split(":")[1].split(",")]
+        elif kind == "cgroup2":
+            mine = [c.split(":", 2)[2] for c in own if c.startswith("0::")]
+        else:
+            continue
+        if mine:
+            parent = Path(point, os.path.relpath(mine[0], root))
+            try:
+                probe = Path(tempfile.mkdtemp(prefix="posttrain-probe-", dir=parent))
+            except OSError:
+                continue
+            has_pids = (probe / "pids.max").exists()  # v2: only where the parent delegates pids
+            probe.rmdir()
+            if has_pids:
+                return parent
+    return "no cgroup with the pids controller that this process may make a child cgroup in"
+
+
+def _pids_cgroup(cfg: SandboxConfig) -> Path | None:
+    """A new cgroup allowing the program `max_processes` tasks beside the launcher (and the namespace's
+    init), or None when the config sets no bound."""
+    if cfg.max_processes is None:
+        return None
+    parent = _pids_parent()
+    assert isinstance(parent, Path)  # check_sandbox refused the run otherwise
+    group = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
+    (group / "pids.max").write_text(str(cfg.max_processes + (2 if cfg.network == "isolate" else 1)))
+    return group
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Kill what is left in a run's cgroup (processes that left the launcher's group: without
+    namespaces nothing else reaches them) and remove it."""
+    for _ in range(100):  # the killed take a moment to leave it
+        with suppress(OSError):
+            pids = (group / "cgroup.procs").read_text().split()
+            for pid in pids:
+                with suppress(ProcessLookupError, PermissionError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            group.rmdir()
+            return
+        time.sleep(0.05)
+    log.warning("could not remove the sandbox's cgroup %s", group)
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -183,12 +268,16 @@ async def arun_python(code: str, cfg: SandboxConfig, stdin: str | bytes | None =
     `SandboxUnavailableError` when the platform lacks what `cfg` asks for. Cancelling it kills the run."""
     await asyncio.to_thread(check_sandbox, cfg)
     workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+    group = None
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8")
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        return await _Run(cfg, workdir).run(data)
+        group = _pids_cgroup(cfg)
+        return await _Run(cfg, workdir, group).run(data)
     finally:
         _remove_tree(workdir)
+        if group is not None:  # on a thread: what is left in it may take a moment to die
+            await asyncio.shield(asyncio.to_thread(_remove_cgroup, group))
 
 
 def _limits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:
@@ -205,9 +294,10 @@ def _limits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:
 class _Run:
     """One run: spawn the launcher, read its output under the cap, enforce the wall clock."""
 
-    def __init__(self, cfg: SandboxConfig, workdir: str) -> None:
+    def __init__(self, cfg: SandboxConfig, workdir: str, group: Path | None) -> None:
         self.cfg = cfg
         self.workdir = workdir
+        self.group = group
         self.out, self.err = bytearray(), bytearray()
         self.kept = 0
         self.truncated = False
@@ -245,6 +335,8 @@ class _Run:
     def _command(self, status_fd: int) -> list[str]:
         spec = {
             "isolate": self.cfg.network == "isolate",
+            "parent": os.getpid(),  # the launcher dies with this process (PR_SET_PDEATHSIG)
+            "cgroup": None if self.group is None else str(self.group / "cgroup.procs"),  # it joins it first
             "status_fd": status_fd,
             "python": sys.executable,
             "script": "main.py",
@@ -303,6 +395,11 @@ class _Run:
         if status.startswith("error "):
             raise SandboxUnavailableError(
                 f"the sandbox could not isolate the program: {status[6:].strip()}; " + _NAMESPACE_FIX
+            )
+        if status.startswith("limit "):
+            raise SandboxUnavailableError(
+                f"the sandbox could not bound the program's processes: {status[6:].strip()}; unset "
+                "sandbox.max_processes or run where this process may manage a pids cgroup"
             )
         exit_code, cpu = self.proc.returncode, None
         if status.startswith("exit "):

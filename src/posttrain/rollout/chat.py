@@ -6,8 +6,12 @@ ids of the *new* messages only. A template may rewrite earlier turns when it ren
 conversation (drop reasoning blocks from past assistant turns, normalise whitespace, re-serialise tool
 calls); rendering the conversation again would then train ids the model never sampled. So the ids of
 new messages are the template's rendering of them after a fixed dummy exchange, cut right after the
-token that closes an assistant turn (`<|im_end|>` in ChatML): the same ids the template puts there,
-whatever the earlier turns hold.
+token that closes the dummy reply (`<|im_end|>` in ChatML): the same ids the template puts there,
+whatever the earlier turns hold. The cut is found from the dummy reply's text in that rendering, not
+from the dummy exchange rendered alone: a template may render the last assistant turn of a
+conversation differently from one that more messages follow (Qwen3 puts an empty
+`<think>\n\n</think>\n\n` before the last reply only); what comes before the reply may then differ
+by such a block, and the reply and its closing must be the same.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class ChatRenderer:
         self.tools = tools or None
         self._probe = self._text(_PROBE, False)
         self.end_of_turn, self._closing_at = self._find_end_of_turn()
+        self._reply_at = self._probe.rfind(_PROBE_REPLY)
 
     def _text(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -110,10 +115,24 @@ class ChatRenderer:
 
     def observation(self, messages: list[Message]) -> list[int]:
         """The ids that follow a closed reply: `messages` rendered after a dummy exchange, from just
-        past the token closing the reply up to the next generation prompt included."""
+        past the token closing the dummy reply up to the next generation prompt included."""
         if not messages:
             raise ValueError("an environment step returned no messages and did not end the episode")
         text = self._text(_PROBE + list(messages), True)
-        if not text.startswith(self._probe[: self._closing_at]):
-            raise ValueError("the chat template renders the same exchange differently when more follows")
-        return self._ids(text[self._closing_at :])
+        at = text.find(_PROBE_REPLY)
+        turn_end = self._probe[self._reply_at : self._closing_at]  # the reply through its closing token
+        before, alone = text[:at], self._probe[: self._reply_at]
+        if (
+            at < 0
+            or not text.startswith(turn_end, at)
+            or not (alone.startswith(before) or before.startswith(alone))
+        ):
+            shown = text[: at + len(turn_end)] if at >= 0 else text
+            raise ValueError(
+                f"the chat template renders the dummy exchange {_PROBE!r} as {self._probe[: self._closing_at]!r} "
+                f"alone but as {shown!r} when more messages follow: the reply and the token closing it must "
+                "be the same, and the text before it may differ only by a block one rendering adds (as "
+                "Qwen3's empty <think></think> before the last reply); use a template that renders a "
+                "finished assistant turn the same way whatever follows it"
+            )
+        return self._ids(text[at + len(turn_end) :])

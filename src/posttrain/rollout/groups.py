@@ -90,7 +90,8 @@ def check_context(
     """Refuse a run whose samples need more positions than the model has (its max_position_embeddings):
     the longest prompt plus `sampling.max_new_tokens`, or an explicit `generation.max_model_len`. An
     environment's `limits.max_tokens` caps a trajectory rather than predicting it, so there a larger
-    cap is only warned about."""
+    cap is only warned about; an explicit `generation.max_model_len` below it is refused (the engine
+    could not hold a trajectory the environment's limits allow)."""
     context = getattr(model_config(model, tokenizer), "max_position_embeddings", None)
     if context is None:
         return
@@ -100,6 +101,15 @@ def check_context(
         raise ValueError(
             f"generation.max_model_len={generation.max_model_len} is more positions than {where}; lower it "
             f"to at most {context} or leave it unset{grow}"
+        )
+    short = generation.max_model_len is not None and isinstance(task, EnvSuite)
+    if short and generation.max_model_len < task.limits.max_tokens:
+        raise ValueError(
+            f"generation.max_model_len={generation.max_model_len} is below env.limits.max_tokens="
+            f"{task.limits.max_tokens}: a trajectory may grow to env.limits.max_tokens tokens, which the engine "
+            "could not hold (it would fail mid-episode); raise generation.max_model_len to at least "
+            f"{task.limits.max_tokens} (or leave it unset: it then follows env.limits.max_tokens), or lower "
+            "env.limits.max_tokens"
         )
     if generation.max_model_len is not None:
         return

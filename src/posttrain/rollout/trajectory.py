@@ -10,6 +10,9 @@ trainer then trains exactly the sampled ids with the engine's logprobs: the traj
 Limits (`EnvLimits`): a trajectory past `max_turns` replies or `max_tokens` tokens is cut (finish
 reason "length", reward `truncated_reward`); an environment call that raises or runs past
 `step_timeout_s` fails the trajectory: it is counted and excluded from advantages, never rewarded 0.
+So does an environment that answers wrongly (a step neither done nor with messages, messages that are
+not dicts with a role or that the chat template cannot render) and an opening that already fills
+`max_tokens` (no reply could be sampled: that one is logged too, as a sign `max_tokens` is too low).
 A plain (non-async) environment method runs on a daemon thread (as plain tools do), so one that never
 returns cannot hold up the step, the event loop's shutdown or the interpreter's exit.
 """
@@ -36,6 +39,10 @@ log = get_logger(__name__)
 
 _TURN = 4  # seed purpose tag (rollout/groups.py uses 1-3)
 _sessions = itertools.count()
+_TOO_LONG = (
+    "the opening messages take {} tokens and env.limits.max_tokens={} leaves no room for a reply; raise "
+    "env.limits.max_tokens (or shorten the environment's opening)"
+)
 
 
 @dataclass
@@ -115,6 +122,7 @@ def opening(reset: Any, system_prompt: str | None) -> tuple[list[dict], list[dic
         messages, tools = list(reset), []
     else:
         raise EnvFailure(f"reset() must return a list of messages or an EnvReset, got {type(reset).__name__}")
+    _check_messages(messages, "reset()")
     if system_prompt and not (messages and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages, [t.schema for t in tools]
@@ -123,9 +131,36 @@ def opening(reset: Any, system_prompt: str | None) -> tuple[list[dict], list[dic
 def _check_step(result: Any) -> EnvStep:
     if not isinstance(result, EnvStep):
         raise EnvFailure(f"step() must return an EnvStep, got {type(result).__name__}")
-    if result.done and (result.reward is None or not math.isfinite(result.reward)):
-        raise EnvFailure(f"step() ended the episode with reward {result.reward!r}; give a finite number")
+    if result.done:
+        if result.reward is None or not math.isfinite(result.reward):
+            raise EnvFailure(f"step() ended the episode with reward {result.reward!r}; give a finite number")
+        return result
+    if not result.messages:
+        raise EnvFailure(
+            "step() returned no messages and did not end the episode; return the messages the model sees "
+            "next, or EnvStep(done=True, reward=...)"
+        )
+    _check_messages(result.messages, "step()")
     return result
+
+
+def _check_messages(messages: Any, what: str) -> None:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+        raise EnvFailure(
+            f"{what} must give its messages as a list of dicts with a 'role' and a 'content', got {messages!r:.200}"
+        )
+
+
+def _render(render: Callable[[list[dict]], list[int]], messages: list[dict], what: str) -> list[int]:
+    """`render(messages)` (the chat template), a failure of `what`'s messages failing the trajectory."""
+    try:
+        return render(messages)
+    except Exception as e:
+        raise EnvFailure(
+            f"the chat template could not render the messages of {what}: {type(e).__name__}: {e}"
+        ) from e
 
 
 async def run_trajectory(
@@ -148,7 +183,12 @@ async def run_trajectory(
         reset = await env_call(env.reset, timeout=limits.step_timeout_s, what="reset()")
         messages, tools = opening(reset, spec.system_prompt)
         chat = ChatRenderer(tokenizer, tools)
-        traj.prompt_token_ids = chat.prompt(messages)
+        prompt = _render(chat.prompt, messages, "reset()")
+        if len(prompt) >= limits.max_tokens:  # its row would be longer than the limit: not kept
+            problem = _TOO_LONG.format(len(prompt), limits.max_tokens)
+            log.warning("environment %r, sample %d: %s", spec.name, sample.sample_id, problem)
+            raise EnvFailure(problem)
+        traj.prompt_token_ids = prompt
         await _play(engine, tokenizer, spec, env, chat, traj, sampling, seed, stream, session)
     except EnvFailure as e:
         traj.failed, traj.error, traj.reward = True, str(e), math.nan
@@ -202,7 +242,7 @@ async def _play(
             traj.reward, traj.success, traj.finish_reason = float(out.reward), out.success, "stop"
             traj.info.update({k2: float(v) for k2, v in out.info.items()})
             return
-        obs = chat.observation(out.messages)
+        obs = _render(chat.observation, out.messages, "step()")
         if res.token_ids[-1] != chat.end_of_turn:  # ended by another stop (e.g. </tool_call>): close it
             obs = [chat.end_of_turn, *obs]
         if len(traj.prompt_token_ids) + len(traj.token_ids) + len(obs) >= limits.max_tokens:
