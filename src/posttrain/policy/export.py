@@ -9,7 +9,8 @@ checkpoint was saved with (`model.name`; for `tiny`, the random model of `model.
 `model.seed`), checks it against the checkpoint's fingerprint, loads the adapters into it and merges
 them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32). The adapter export needs no
 base model: the checkpoint's adapter tensors go out under peft's names next to an
-`adapter_config.json`, so `peft.PeftModel.from_pretrained(base, out_dir)` loads them.
+`adapter_config.json` (`all-linear` written as the layers it adapted), so
+`peft.PeftModel.from_pretrained(base, out_dir)` loads them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from posttrain import checkpoint
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
-from posttrain.models.lora import LoraSettings, add_lora, is_adapter_key, peft_state_dict, unload_merged
+from posttrain.models.lora import (
+    ALL_LINEAR,
+    LoraSettings,
+    add_lora,
+    is_adapter_key,
+    peft_state_dict,
+    target_names,
+    unload_merged,
+)
 from posttrain.policy.config import ModelConfig
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 
@@ -159,11 +168,25 @@ def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtyp
 
 def _write_adapter(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
     identity = meta["fingerprint"]["config"]
+    adapters = _adapters(root, meta)
     config = LoraSettings(**identity["lora"]).peft_config()
+    if config.target_modules == ALL_LINEAR:  # peft would resolve it again, onto MoE experts and routers
+        params = meta["fingerprint"]["model"]["params"]
+        adapted = {n.partition(".lora_A.")[0] for n in adapters if ".lora_A." in n}
+        config.target_modules = target_names(adapted, _module_names(params))
     config.base_model_name_or_path = identity["model.name"]
     config.task_type = "CAUSAL_LM"
     config.save_pretrained(out)
-    tensors = peft_state_dict(_adapters(root, meta).items())
+    tensors = peft_state_dict(adapters.items())
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
+def _module_names(params: dict[str, Any]) -> set[str]:
+    """Every module path of a model, from its parameter names."""
+    out = set()
+    for name in params:
+        parts = name.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts))}
+    return out
