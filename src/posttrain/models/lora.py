@@ -301,11 +301,14 @@ def unload_merged(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def peft_state_dict(adapters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Adapter tensors under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
+def peft_state_dict(
+    tensors: Iterable[tuple[str, torch.Tensor]], modules_to_save: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Adapter tensors, and those of the modules named in `modules_to_save` (trained in full, e.g. a
+    scalar head's `score`), under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
     `base_model.model.` in front)."""
     return {
         "base_model.model." + name.replace(f".{ADAPTER}.", "."): t.detach().cpu().contiguous()
-        for name, t in adapters
-        if is_adapter_key(name)
+        for name, t in tensors
+        if is_adapter_key(name) or name.split(".", 1)[0] in modules_to_save
     }
