@@ -1,8 +1,8 @@
 """`posttrain export` (policy/export.py) of what the causal-LM tests (test_checkpoint.py,
 test_lora_checkpoint.py) do not cover: reward-model and critic checkpoints (`model.head=score`; full,
 LoRA merged, LoRA as a peft SEQ_CLS adapter with its trained score head) load in transformers and peft
-and give the trained model's scores; checkpoints from before the head was recorded still resume and
-export."""
+and give the trained model's scores; a base model's generation config survives checkpoint and export;
+checkpoints from before the head was recorded still resume and export."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ import peft
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, GenerationConfig
 
 from conftest import random_batch
 from helpers import policy_cfg
+from model_zoo import save_family_model
 from posttrain import checkpoint
 from posttrain.algorithms.losses import BradleyTerryLoss, NLLLoss
 from posttrain.cli import main
+from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.policy import export
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.policy.policy import Policy
@@ -119,3 +121,20 @@ def test_a_checkpoint_from_before_the_head_was_recorded_still_resumes(tmp_path):
     scorer = Policy(policy_cfg(model=SCORE, init_reference_model=False))
     with pytest.raises(ValueError, match="lm_head.weight: only in the checkpoint"):  # the heads still differ
         scorer.load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_the_base_models_generation_config_survives_checkpoint_and_export(tmp_path, lora):
+    base = save_family_model("llama", build_char_tokenizer(), tmp_path / "base")
+    GenerationConfig(
+        bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0, do_sample=True, temperature=0.6, top_p=0.9
+    ).save_pretrained(base)
+    want = GenerationConfig.from_pretrained(base).to_diff_dict()
+    policy = Policy(policy_cfg(model={"name": str(base)}, lora=lora))
+    policy.train(BATCH, NLLLoss())
+    policy.save_checkpoint(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    for where in (tmp_path / "ckpt" / checkpoint.HF_FILES_DIR, tmp_path / "out"):
+        got = GenerationConfig.from_pretrained(where)
+        assert got.to_diff_dict() == want, where
+        assert (got.eos_token_id, got.temperature, got.top_p, got.do_sample) == ([2, 7], 0.6, 0.9, True)

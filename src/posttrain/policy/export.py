@@ -5,15 +5,15 @@ Runs on one process without a process group, whatever the number of ranks that s
 and writes atomically (into a temporary sibling renamed into place once complete). The model is a causal
 LM, or for a scalar-head checkpoint (reward model, critic: `model.head=score` in its identity,
 policy/identity.py) transformers' sequence-classification model. A full checkpoint holds every weight
-and is consolidated from its shards. A LoRA checkpoint holds the adapters alone
-(`TrainState.trainable_only`; a scalar head's trained score head with them), so its merged export
-rebuilds the base model from the identity the checkpoint was saved with (`model.name`; for `tiny`, the
-random model of `model.tiny` and `model.seed`), checks it against the checkpoint's fingerprint, loads the
-adapters into it and merges them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32).
-The adapter export needs no base model: the checkpoint's adapter tensors go out under peft's names next
-to an `adapter_config.json` (`all-linear` written as the layers it adapted; for a scalar head, task
-SEQ_CLS with the score head in `modules_to_save`), so `peft.PeftModel.from_pretrained(base, out_dir)`
-loads them.
+and is consolidated from its shards, with the generation config it was saved with. A LoRA checkpoint
+holds the adapters alone (`TrainState.trainable_only`; a scalar head's trained score head with them), so
+its merged export rebuilds the base model from the identity the checkpoint was saved with
+(`model.name`; for `tiny`, the random model of `model.tiny` and `model.seed`), checks it against the
+checkpoint's fingerprint, loads the adapters into it and merges them as `Policy.full_state_dict` does
+(base + scaling * B @ A in fp32). The adapter export needs no base model: the checkpoint's adapter
+tensors go out under peft's names next to an `adapter_config.json` (`all-linear` written as the layers
+it adapted; for a scalar head, task SEQ_CLS with the score head in `modules_to_save`), so
+`peft.PeftModel.from_pretrained(base, out_dir)` loads them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+)
 
 from posttrain import checkpoint
 from posttrain.dtypes import DTYPES
@@ -55,7 +60,7 @@ def export_hf(
     checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None, adapter: bool = False
 ) -> Path:
     """Write a checkpoint's model to `out_dir` as a Hugging Face directory (safetensors, config,
-    tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads
+    generation config, tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads
     (`AutoModelForSequenceClassification` for a scalar head); a LoRA checkpoint's adapters are merged
     into its base. With `adapter`, a LoRA checkpoint's peft adapter directory instead.
     Weights stay fp32 unless `dtype` ("float32", "bfloat16" or "float16") says otherwise."""
@@ -119,7 +124,8 @@ def _auto_class(meta: dict[str, Any]):
 
 
 def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | None):
-    """A full checkpoint's model, built from its saved config and filled from its shards."""
+    """A full checkpoint's model, built from its saved config and filled from its shards, with its saved
+    generation config (a checkpoint saved without one: derived from the model config)."""
     hf_dir = root / checkpoint.HF_FILES_DIR
     model = _auto_class(meta).from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     tied = set(checkpoint.tied_aliases(model))
@@ -129,6 +135,8 @@ def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | N
             f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
         )
+    if (hf_dir / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(hf_dir)
     return model.to(dtype) if dtype is not None else model
 
 
