@@ -16,7 +16,8 @@ Layout of a checkpoint directory::
     config.yaml             the posttrain config it was saved with (for people; not read back)
     state/                  DCP shards: model.*, optim.*, reference.*
     rng/rank-<r>.safetensors
-    hf/                     model config and tokenizer files, used by the export (policy/export.py)
+    hf/                     model config, generation config and tokenizer files, used by the export
+                            (policy/export.py)
 
 Departures from plain DCP: writes are atomic (every rank writes into `<dir>.tmp-<id>`, rank 0 renames
 it into place once all ranks succeeded; a failure anywhere removes the temporary directory and leaves
@@ -55,7 +56,9 @@ from torch.distributed.tensor import DTensor
 from posttrain.checkpoint_verify import (
     METADATA_FILE,
     CorruptCheckpointError,
+    check_compatible,
     fault_point,
+    model_fingerprint,
     read_json,
     record_digests,
     verify_files,
@@ -209,44 +212,6 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------- fingerprint
-
-
-def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
-    """What identifies a model's architecture: its HF model type and its parameter names and global shapes."""
-    config = getattr(model, "config", None)
-    return {
-        "model_type": getattr(config, "model_type", type(model).__name__),
-        "params": {n: list(p.shape) for n, p in model.named_parameters()},
-    }
-
-
-def _differences(saved: Any, current: Any, where: str) -> list[str]:
-    if isinstance(saved, dict) and isinstance(current, dict):
-        out = []
-        for key in sorted(set(saved) | set(current)):
-            sub = f"{where}.{key}" if where else str(key)
-            if key not in current:
-                out.append(f"{sub}: only in the checkpoint")
-            elif key not in saved:
-                out.append(f"{sub}: only in the current setup")
-            else:
-                out.extend(_differences(saved[key], current[key], sub))
-        return out
-    return [] if saved == current else [f"{where}: checkpoint {saved!r}, current {current!r}"]
-
-
-def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: Path) -> None:
-    """Raise ValueError listing every difference between a checkpoint's fingerprint and the current one."""
-    diffs = _differences(meta["fingerprint"], fingerprint, "")
-    if diffs:
-        shown = "\n  ".join(diffs[:10]) + (f"\n  ... and {len(diffs) - 10} more" if len(diffs) > 10 else "")
-        raise ValueError(
-            f"checkpoint '{path}' does not match this model/config:\n  {shown}\n"
-            f"Load it with the config it was saved with (see {path / 'config.yaml'}) or start a new run"
-        )
-
-
 # ---------------------------------------------------------------------- metadata
 
 
@@ -390,6 +355,9 @@ def _write_rank0_files(
     config = getattr(state.model, "config", None)
     if config is not None:
         config.save_pretrained(hf_dir)
+    generation = getattr(state.model, "generation_config", None)  # EOS ids, sampling defaults
+    if generation is not None:
+        generation.save_pretrained(hf_dir)
     if tokenizer is not None:
         save_tokenizer(tokenizer, hf_dir)  # loads back as itself through AutoTokenizer
 

@@ -1,4 +1,5 @@
-"""Checksums of a checkpoint's files, their verification, and the fault points of a save.
+"""Checksums of a checkpoint's files, their verification, the fingerprint a checkpoint must match to load,
+and the fault points of a save.
 
 `save_checkpoint` records the size and SHA-256 of every file of a checkpoint in its metadata.json,
 which is written last; `load_checkpoint` and `verify_checkpoint` (checkpoint.py) recompute them, so
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 DIGEST = "sha256"
@@ -124,4 +126,42 @@ def verify_files(root: Path, meta: dict[str, Any], collective: bool) -> None:
         raise CorruptCheckpointError(
             f"checkpoint '{root}' is damaged: " + "; ".join(problems) + ". Resume from an earlier "
             "checkpoint (checkpointing.resume=auto picks the newest intact one) or restore it from a copy"
+        )
+
+
+# ---------------------------------------------------------------------- fingerprint
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """What identifies a model's architecture: its HF model type and its parameter names and global shapes."""
+    config = getattr(model, "config", None)
+    return {
+        "model_type": getattr(config, "model_type", type(model).__name__),
+        "params": {n: list(p.shape) for n, p in model.named_parameters()},
+    }
+
+
+def _differences(saved: Any, current: Any, where: str) -> list[str]:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current)):
+            sub = f"{where}.{key}" if where else str(key)
+            if key not in current:
+                out.append(f"{sub}: only in the checkpoint")
+            elif key not in saved:
+                out.append(f"{sub}: only in the current setup")
+            else:
+                out.extend(_differences(saved[key], current[key], sub))
+        return out
+    return [] if saved == current else [f"{where}: checkpoint {saved!r}, current {current!r}"]
+
+
+def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: Path) -> None:
+    """Raise ValueError listing every difference between a checkpoint's fingerprint and the current one."""
+    diffs = _differences(meta["fingerprint"], fingerprint, "")
+    if diffs:
+        shown = "\n  ".join(diffs[:10]) + (f"\n  ... and {len(diffs) - 10} more" if len(diffs) > 10 else "")
+        raise ValueError(
+            f"checkpoint '{path}' does not match this model/config:\n  {shown}\n"
+            f"Load it with the config it was saved with (see {path / 'config.yaml'}) or start a new run"
         )

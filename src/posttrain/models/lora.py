@@ -14,7 +14,12 @@ tensors alone (`is_adapter_key`), when it carries the same adapters itself.
 Departures from peft: adapters may not target the embedding or the LM head (the engine applies the
 LM head itself and tensor parallelism shards both on the vocabulary), and only the initializations
 that leave the base weights untouched are offered (PiSSA/OLoRA rewrite the base, which would make
-"adapters disabled" a different model from the one the run started from).
+"adapters disabled" a different model from the one the run started from). `all-linear` is resolved
+here, to the model's own `nn.Linear` layers, and peft gets that list: peft 0.21 maps `all-linear` on
+transformers-5 MoE models (Qwen3-MoE, Mixtral, OLMoE) to `target_parameters`, adapting the fused 3-D
+expert tensors and the router's weight with nested `ParamWrapper` layers, which merge, weight sync and
+export do not handle; such layers are refused, whatever the targets that led peft to them. MoE routers
+are never adapted by `all-linear` (see `all_linear_targets`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from posttrain.config import Config
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 ALL_LINEAR = "all-linear"
 _NOT_TARGETS = ("lm_head", "embed_tokens")
+_ROUTERS = ("gate", "router")  # the names MoE families give a router that is an nn.Linear
 
 
 class LoraSettings(Config):
@@ -44,9 +50,10 @@ class LoraSettings(Config):
     target_modules: str | list[str] = Field(
         ALL_LINEAR,
         description="names of the linear layers to adapt (e.g. [q_proj, v_proj]; one name may be given "
-        "bare), each matching at least one layer; 'all-linear' (every linear layer of the decoder, not "
-        "the LM head); or a regular expression over full module paths, as peft reads one "
-        "(e.g. '.*layers\\.0\\..*_proj')",
+        "bare), each matching at least one layer; 'all-linear' (every nn.Linear layer of the decoder: "
+        "not the LM head, not an MoE router, and not MoE experts, which transformers fuses into 3-D "
+        "tensors, so on Qwen3-MoE, Mixtral and OLMoE the attention projections); or a regular "
+        "expression over full module paths, as peft reads one (e.g. '.*layers\\.0\\..*_proj')",
     )
     init: Literal["default", "gaussian"] = Field(
         "default", description="A's initialization (B starts at zero either way): kaiming-uniform or gaussian"
@@ -78,7 +85,7 @@ class LoraSettings(Config):
         return v
 
     def peft_config(self):
-        """The equivalent `peft.LoraConfig`."""
+        """The equivalent `peft.LoraConfig` (`all-linear` as written: `add_lora` resolves it for a model)."""
         import peft
 
         return peft.LoraConfig(
@@ -102,6 +109,8 @@ def add_lora(
 
     _check_targets(model, settings.target_modules)
     config = settings.peft_config()
+    if settings.target_modules == ALL_LINEAR:
+        config.target_modules = all_linear_targets(model, exclude)
     if exclude:
         config.exclude_modules = list(exclude)
     with torch.random.fork_rng(devices=[]):
@@ -114,6 +123,7 @@ def add_lora(
                 f"{str(e).splitlines()[0][:160]}); name linear layers of its decoder (e.g. q_proj, v_proj) "
                 "or use all-linear"
             ) from None
+    _refuse_parameter_targets(model, settings.target_modules)
     frozen_only = [n for n in lora_layers(model) if n.rsplit(".", 1)[-1] in _NOT_TARGETS]
     if frozen_only:
         raise ValueError(
@@ -123,6 +133,61 @@ def add_lora(
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     return model
+
+
+def all_linear_targets(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> list[str]:
+    """What `all-linear` adapts in `model`, as peft target names: every `nn.Linear` (or GPT-2 `Conv1D`)
+    except the output embeddings (LM head), the embedding, MoE routers and the modules named in
+    `exclude`. Fused MoE experts are 3-D tensors, no linear layers. Routers stay frozen: their weight
+    decides which experts run (routing replay pins those choices to the engine's and trains a router
+    through its gate weights alone), and in transformers 5 a router is no linear layer (`*TopKRouter`)
+    that a linear adapter could merge into; one that is an `nn.Linear` is known by its name (gate,
+    router)."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = set(_NOT_TARGETS) | set(_ROUTERS) | set(exclude)
+    chosen = {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear | Conv1D) and m is not output and n.rsplit(".", 1)[-1] not in skip
+    }
+    if not chosen:
+        raise ValueError(
+            "policy.lora.target_modules=all-linear: this model has no linear layer to adapt besides its "
+            "LM head and routers; name the modules to adapt (policy.lora.target_modules)"
+        )
+    return target_names(chosen, {n for n, _ in model.named_modules()})
+
+
+def target_names(chosen: set[str], modules: Iterable[str]) -> list[str]:
+    """peft target names that select exactly the modules `chosen` among `modules` (full paths): a
+    module's last name where every module so named is chosen, its full path where it is not."""
+    leaves: dict[str, set[str]] = {}
+    for n in modules:
+        leaves.setdefault(n.rsplit(".", 1)[-1], set()).add(n)
+    out = set()
+    for n in chosen:
+        leaf = n.rsplit(".", 1)[-1]
+        out.add(leaf if leaves.get(leaf, {n}) <= chosen else n)
+    return sorted(out)
+
+
+def _refuse_parameter_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
+    """Refuse adapters on parameters (peft's `ParamWrapper`, from `target_parameters`: peft maps targets
+    such as an MoE family's down_proj or gate onto its fused experts and router), which posttrain does not
+    merge, sync or export."""
+    from peft.tuners.lora import ParamWrapper
+
+    wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, ParamWrapper))
+    if wrapped:
+        shown = ", ".join(wrapped[:4]) + (f" and {len(wrapped) - 4} more" if len(wrapped) > 4 else "")
+        raise ValueError(
+            f"policy.lora.target_modules={targets!r} made peft adapt parameters, not linear layers ({shown}: "
+            "the fused MoE experts or the router, through peft's target_parameters); posttrain adapts linear "
+            "layers only. Use all-linear, or name the decoder's linear layers (e.g. [q_proj, k_proj, "
+            "v_proj, o_proj])"
+        )
 
 
 def _check_targets(model: torch.nn.Module, targets: str | list[str]) -> None:
@@ -236,11 +301,14 @@ def unload_merged(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def peft_state_dict(adapters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Adapter tensors under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
+def peft_state_dict(
+    tensors: Iterable[tuple[str, torch.Tensor]], modules_to_save: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Adapter tensors, and those of the modules named in `modules_to_save` (trained in full, e.g. a
+    scalar head's `score`), under the names `PeftModel.from_pretrained` reads (the adapter name dropped,
     `base_model.model.` in front)."""
     return {
         "base_model.model." + name.replace(f".{ADAPTER}.", "."): t.detach().cpu().contiguous()
-        for name, t in adapters
-        if is_adapter_key(name)
+        for name, t in tensors
+        if is_adapter_key(name) or name.split(".", 1)[0] in modules_to_save
     }

@@ -37,6 +37,7 @@ from posttrain.models.logprobs import (
 )
 
 Head = Literal["lm", "score"]
+SCORE_HEAD = "score"  # the module name of transformers' sequence-classification head
 
 log = get_logger(__name__)
 

@@ -2,14 +2,18 @@
 or, for a LoRA checkpoint, the merged model or a peft adapter directory.
 
 Runs on one process without a process group, whatever the number of ranks that saved the checkpoint,
-and writes atomically (into a temporary sibling renamed into place once complete). A full checkpoint
-holds every weight and is consolidated from its shards. A LoRA checkpoint holds the adapters alone
-(`TrainState.trainable_only`), so its merged export rebuilds the base model from the identity the
-checkpoint was saved with (`model.name`; for `tiny`, the random model of `model.tiny` and
-`model.seed`), checks it against the checkpoint's fingerprint, loads the adapters into it and merges
-them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32). The adapter export needs no
-base model: the checkpoint's adapter tensors go out under peft's names next to an
-`adapter_config.json`, so `peft.PeftModel.from_pretrained(base, out_dir)` loads them.
+and writes atomically (into a temporary sibling renamed into place once complete). The model is a causal
+LM, or for a scalar-head checkpoint (reward model, critic: `model.head=score` in its identity,
+policy/identity.py) transformers' sequence-classification model. A full checkpoint holds every weight
+and is consolidated from its shards, with the generation config it was saved with. A LoRA checkpoint
+holds the adapters alone (`TrainState.trainable_only`; a scalar head's trained score head with them), so
+its merged export rebuilds the base model from the identity the checkpoint was saved with
+(`model.name`; for `tiny`, the random model of `model.tiny` and `model.seed`), checks it against the
+checkpoint's fingerprint, loads the adapters into it and merges them as `Policy.full_state_dict` does
+(base + scaling * B @ A in fp32). The adapter export needs no base model: the checkpoint's adapter
+tensors go out under peft's names next to an `adapter_config.json` (`all-linear` written as the layers
+it adapted; for a scalar head, task SEQ_CLS with the score head in `modules_to_save`), so
+`peft.PeftModel.from_pretrained(base, out_dir)` loads them.
 """
 
 from __future__ import annotations
@@ -24,14 +28,28 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+)
 
 from posttrain import checkpoint
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
-from posttrain.models.lora import LoraSettings, add_lora, is_adapter_key, peft_state_dict, unload_merged
+from posttrain.models.lora import (
+    ALL_LINEAR,
+    LoraSettings,
+    is_adapter_key,
+    peft_state_dict,
+    target_names,
+    unload_merged,
+)
+from posttrain.models.scalar_head import SCORE_HEAD
 from posttrain.policy.config import ModelConfig
-from posttrain.policy.model_init import build_tokenizer, load_full_model
+from posttrain.policy.identity import saved_head
+from posttrain.policy.model_init import build_tokenizer, load_full_model, with_lora
 
 log = get_logger(__name__)
 
@@ -42,8 +60,9 @@ def export_hf(
     checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None, adapter: bool = False
 ) -> Path:
     """Write a checkpoint's model to `out_dir` as a Hugging Face directory (safetensors, config,
-    tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads; a LoRA checkpoint's adapters
-    are merged into its base. With `adapter`, a LoRA checkpoint's peft adapter directory instead.
+    generation config, tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads
+    (`AutoModelForSequenceClassification` for a scalar head); a LoRA checkpoint's adapters are merged
+    into its base. With `adapter`, a LoRA checkpoint's peft adapter directory instead.
     Weights stay fp32 unless `dtype` ("float32", "bfloat16" or "float16") says otherwise."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -58,7 +77,7 @@ def export_hf(
     cast = DTYPES[dtype] if dtype else None
     with export_dir(out_dir) as tmp:
         if lora is None:
-            _consolidated_model(root, cast).save_pretrained(tmp, safe_serialization=True)
+            _consolidated_model(root, meta, cast).save_pretrained(tmp, safe_serialization=True)
         elif adapter:
             _write_adapter(root, meta, tmp, cast)
         else:
@@ -98,10 +117,17 @@ def copy_tokenizer_files(checkpoint_dir: str | Path, out_dir: Path) -> None:
             shutil.copy2(f, out_dir / f.name)
 
 
-def _consolidated_model(root: Path, dtype: torch.dtype | None):
-    """A full checkpoint's model, built from its saved config and filled from its shards."""
-    config = AutoConfig.from_pretrained(root / checkpoint.HF_FILES_DIR)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+def _auto_class(meta: dict[str, Any]):
+    """The transformers class of a checkpoint's model: a causal LM, or a sequence classifier for a scalar
+    head."""
+    return AutoModelForSequenceClassification if saved_head(meta) == "score" else AutoModelForCausalLM
+
+
+def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | None):
+    """A full checkpoint's model, built from its saved config and filled from its shards, with its saved
+    generation config (a checkpoint saved without one: derived from the model config)."""
+    hf_dir = root / checkpoint.HF_FILES_DIR
+    model = _auto_class(meta).from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     tied = set(checkpoint.tied_aliases(model))
     missing, unexpected = model.load_state_dict(checkpoint.read_model_tensors(root), strict=False)
     if set(missing) - tied or unexpected:
@@ -109,26 +135,39 @@ def _consolidated_model(root: Path, dtype: torch.dtype | None):
             f"checkpoint '{root}' does not fit its own model config: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}. The checkpoint is damaged or was edited"
         )
+    if (hf_dir / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(hf_dir)
     return model.to(dtype) if dtype is not None else model
 
 
 # ---------------------------------------------------------------------- LoRA checkpoints
 
 
-def _base_config(identity: dict[str, Any]) -> ModelConfig:
+def _base_config(meta: dict[str, Any]) -> ModelConfig:
     """The model section a LoRA checkpoint's base is rebuilt from."""
-    fields = {"name": identity["model.name"], "tokenizer": identity["model.tokenizer"]}
+    identity = meta["fingerprint"]["config"]
+    fields = {
+        "name": identity["model.name"],
+        "tokenizer": identity["model.tokenizer"],
+        "head": saved_head(meta),
+    }
     if identity["model.name"] == "tiny":
         fields |= {"tiny": identity["model.tiny"], "seed": identity["model.seed"]}
     return ModelConfig.model_validate(fields)
 
 
-def _adapters(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The checkpoint's adapter tensors, checked against the names and shapes its fingerprint lists."""
+def _trained(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors a LoRA checkpoint trained (the adapters, and a scalar head's score head), checked
+    against the names and shapes its fingerprint lists."""
     tensors = checkpoint.read_model_tensors(root)
-    listed = {n: shape for n, shape in meta["fingerprint"]["model"]["params"].items() if is_adapter_key(n)}
+    head = saved_head(meta) == "score"
+    listed = {
+        n: shape
+        for n, shape in meta["fingerprint"]["model"]["params"].items()
+        if is_adapter_key(n) or (head and n.split(".", 1)[0] == SCORE_HEAD)
+    }
     found = {n: list(t.shape) for n, t in tensors.items()}
-    if found != listed or not listed:
+    if found != listed or not any(is_adapter_key(n) for n in listed):
         raise ValueError(
             f"checkpoint '{root}' does not hold the adapters its metadata lists (missing "
             f"{sorted(set(listed) - set(found))[:5]}, unexpected {sorted(set(found) - set(listed))[:5]}). "
@@ -139,9 +178,9 @@ def _adapters(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
     identity = meta["fingerprint"]["config"]
-    model_cfg = _base_config(identity)
+    model_cfg = _base_config(meta)
     base = load_full_model(model_cfg, build_tokenizer(model_cfg))
-    model = add_lora(base, LoraSettings(**identity["lora"]))
+    model = with_lora(base, LoraSettings(**identity["lora"]), model_cfg.head)
     try:
         fingerprint = {"model": checkpoint.model_fingerprint(model), "config": identity}
         checkpoint.check_compatible(meta, fingerprint, root)
@@ -150,7 +189,7 @@ def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtyp
             f"the base model rebuilt from model.name={model_cfg.name!r} is not the one the adapters of "
             f"'{root}' were trained on: {e}"
         ) from None
-    model.load_state_dict(_adapters(root, meta), strict=False)  # the base's own weights stay
+    model.load_state_dict(_trained(root, meta), strict=False)  # the base's own weights stay
     model = unload_merged(model)
     if dtype is not None:
         model.to(dtype)
@@ -159,11 +198,30 @@ def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtyp
 
 def _write_adapter(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
     identity = meta["fingerprint"]["config"]
+    trained = _trained(root, meta)
     config = LoraSettings(**identity["lora"]).peft_config()
+    if config.target_modules == ALL_LINEAR:  # peft would resolve it again, onto MoE experts and routers
+        params = meta["fingerprint"]["model"]["params"]
+        adapted = {n.partition(".lora_A.")[0] for n in trained if ".lora_A." in n}
+        config.target_modules = target_names(adapted, _module_names(params))
     config.base_model_name_or_path = identity["model.name"]
-    config.task_type = "CAUSAL_LM"
+    saved = ()
+    if saved_head(meta) == "score":
+        config.task_type, config.modules_to_save = "SEQ_CLS", [SCORE_HEAD]
+        saved = (SCORE_HEAD,)
+    else:
+        config.task_type = "CAUSAL_LM"
     config.save_pretrained(out)
-    tensors = peft_state_dict(_adapters(root, meta).items())
+    tensors = peft_state_dict(trained.items(), modules_to_save=saved)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
+def _module_names(params: dict[str, Any]) -> set[str]:
+    """Every module path of a model, from its parameter names."""
+    out = set()
+    for name in params:
+        parts = name.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts))}
+    return out

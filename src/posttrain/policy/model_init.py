@@ -20,6 +20,7 @@ from posttrain.models.hf import (
 )
 from posttrain.models.lora import LoraSettings, add_lora
 from posttrain.models.scalar_head import (
+    SCORE_HEAD,
     build_tiny_score_model,
     check_score_source,
     load_score_model,
@@ -127,12 +128,18 @@ def _with_layers(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:
     if cfg.model.disable_dropout:
         without_dropout(model)
     if cfg.lora is not None:
-        if cfg.model.head == "lm":
-            add_lora(model, cfg.lora)
-        else:
-            add_lora(model, cfg.lora, exclude=("score",))
-            model.score.weight.requires_grad_(True)
+        with_lora(model, cfg.lora, cfg.model.head)
     return apply_cpu_matmul(model, cfg.model.cpu_matmul)
+
+
+def with_lora(model: torch.nn.Module, lora: LoraSettings, head: str) -> torch.nn.Module:
+    """`model` with `lora`'s adapters, as the policy trains it: with `head=score` the score head is never
+    adapted and trains in full (it is often new), so LoRA checkpoints save it next to the adapters."""
+    if head == "lm":
+        return add_lora(model, lora)
+    add_lora(model, lora, exclude=(SCORE_HEAD,))
+    model.score.weight.requires_grad_(True)
+    return model
 
 
 def _load_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None) -> None:

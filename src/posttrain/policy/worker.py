@@ -47,6 +47,7 @@ from posttrain.parallel.expert_parallel import replicated_experts, sync_expert_g
 from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
+from posttrain.policy.identity import check_lora_matches, checkpoint_identity, saved_identity
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
 from posttrain.policy.moe_verbs import RoutingVerbs
@@ -472,44 +473,6 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             trainable_only=self.cfg.lora is not None,
         )
 
-    def _checkpoint_identity(self) -> dict[str, Any]:
-        """The config pieces a resumed run must share with the run that saved the checkpoint."""
-        m = self.cfg.model
-        return {
-            "model.name": m.name,
-            "model.tokenizer": m.tokenizer,
-            "model.tiny": m.tiny.model_dump(mode="json") if m.name == "tiny" else None,
-            "optimizer.name": self.cfg.optimizer.name,
-            "init_reference_model": self.cfg.init_reference_model,
-            **self._lora_identity(),
-        }
-
-    def _lora_identity(self) -> dict[str, Any]:
-        """LoRA checkpoints hold the adapters alone: the base they were trained on must be rebuilt the
-        same (the tiny model's seed), and the adapters' shape must match. Absent without LoRA, so full
-        checkpoints keep their identity."""
-        lora = self.cfg.lora
-        if lora is None:
-            return {}
-        shape = lora.model_dump(mode="json", include={"rank", "alpha", "target_modules", "use_rslora"})
-        return {"lora": shape, "model.seed": self.cfg.model.seed if self.cfg.model.name == "tiny" else None}
-
-    def _check_lora_matches(self, path: str) -> None:
-        """A full checkpoint in a LoRA run, or a LoRA checkpoint in a full run: refused, naming the way."""
-        saved = checkpoint.read_metadata(path)["fingerprint"]["config"].get("lora")
-        if saved is None and self.cfg.lora is not None:
-            raise ValueError(
-                f"checkpoint '{path}' is a full fine-tuning checkpoint and this run trains LoRA adapters "
-                "(policy.lora is set); it cannot resume it. Either unset policy.lora to resume it, or "
-                f"export it (posttrain export {path} <dir>) and start a LoRA run with model.name=<dir>"
-            )
-        if saved is not None and self.cfg.lora is None:
-            raise ValueError(
-                f"checkpoint '{path}' holds LoRA adapters (policy.lora: {saved}) and this run is full "
-                "fine-tuning; set the same policy.lora to resume it, or export it merged (posttrain "
-                f"export {path} <dir>) and start a full run with model.name=<dir>"
-            )
-
     @verb(*ANY_PHASE, collective=True)
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
         """Model, optimizer, scheduler, RNG and reference weights to `path`, sharded and atomic (checkpoint.py)."""
@@ -517,7 +480,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             path,
             self._checkpoint_state("save_checkpoint"),
             trainer_version=self.trainer_version,
-            identity=self._checkpoint_identity(),
+            identity=checkpoint_identity(self.cfg),
             extra_state=extra_state,
             tokenizer=self.tokenizer,
             config_yaml=dump_config(self.cfg),
@@ -528,11 +491,12 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
     def load_checkpoint(self, path: str) -> dict:
         """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state. The
         learning rate is `optimizer.lr` of this policy's config, at the schedule's restored position."""
-        self._check_lora_matches(path)
+        saved = saved_identity(path)
+        check_lora_matches(self.cfg, path, saved)
         info = checkpoint.load_checkpoint(
             path,
             self._checkpoint_state("load_checkpoint"),
-            identity=self._checkpoint_identity(),
+            identity=checkpoint_identity(self.cfg, saved),
             mesh=self.dims.sizes(),
         )
         set_base_lr(self.optimizer, self.scheduler, self.cfg.optimizer.lr)
