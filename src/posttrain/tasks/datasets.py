@@ -1,9 +1,8 @@
 """Prompt datasets: load rows from local files, check them, format and tokenize prompts, and serve them in a
 deterministic, resumable order.
 
-Sources are a `.jsonl` file (one JSON object per line), a `.json` file holding a list of objects, a
-`.parquet` file (needs `pyarrow`), or a directory written by `datasets.Dataset.save_to_disk` (needs
-`datasets`). Every row is checked up front, and a bad row is a `ValueError` that names its index and field,
+Sources are read by tasks/sources.py (`.jsonl`, `.json`, `.parquet`, a `save_to_disk` directory). Every row
+is checked up front, and a bad row is a `ValueError` that names its index and field,
 not a crash twenty minutes into a run. Prompts are wrapped in the tokenizer's chat template when it has one
 (configurable), else in a plain template string. Prompts longer than `max_prompt_tokens` are dropped and
 counted in the log, or refused, by config.
@@ -15,13 +14,10 @@ counted in the log, or refused, by config.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import json
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -29,6 +25,8 @@ from pydantic import Field, field_validator
 
 from posttrain.config import Config
 from posttrain.logging import get_logger
+from posttrain.tasks.cursor import PromptCursor
+from posttrain.tasks.sources import load_rows
 
 logger = get_logger(__name__)
 
@@ -157,77 +155,6 @@ class RepeatCounter:
 def as_repeat(item: PromptItem, repeat: int) -> PromptItem:
     """`item` drawn for the `repeat`-th time at the same weights: itself for 0, else a copy with it set."""
     return item if repeat == 0 else replace(item, repeat=repeat)
-
-
-def _require(module: str, purpose: str) -> Any:
-    """Import an optional dependency, or say which package to install for `purpose`."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        package = module.split(".")[0]
-        raise ValueError(f"{purpose} needs the '{package}' package: pip install {package}") from exc
-
-
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}: row {len(rows)} (line {line_no}) is not valid JSON ({exc.msg}); each line must "
-                    "hold one JSON object"
-                ) from exc
-    return rows
-
-
-def _read_json(path: Path) -> list[Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc.msg}); use a list of objects or .jsonl") from exc
-    if not isinstance(data, list):
-        raise ValueError(f"{path} must hold a JSON list of objects, got {type(data).__name__}")
-    return data
-
-
-def _read_parquet(path: Path) -> list[Any]:
-    pq = _require("pyarrow.parquet", "reading .parquet files")
-    return pq.read_table(path).to_pylist()
-
-
-def _read_saved_dataset(path: Path, split: str | None) -> list[Any]:
-    hf = _require("datasets", "reading a save_to_disk directory")
-    ds = hf.load_from_disk(str(path))
-    if isinstance(ds, hf.DatasetDict):
-        if split is None or split not in ds:
-            raise ValueError(
-                f"{path} holds the splits {sorted(ds)}; choose one with the train_split / eval_split setting "
-                f"(got {split!r})"
-            )
-        ds = ds[split]
-    return ds.to_list()
-
-
-def load_rows(path: str | Path, split: str | None = None) -> list[Any]:
-    """Read all rows of a local .jsonl / .json / .parquet file or a `save_to_disk` directory."""
-    p = Path(path)
-    if p.is_dir():
-        if not any((p / name).exists() for name in ("dataset_dict.json", "state.json", "dataset_info.json")):
-            raise ValueError(f"directory {p} is not a dataset saved by datasets.save_to_disk")
-        return _read_saved_dataset(p, split)
-    if not p.is_file():
-        raise ValueError(f"dataset path {p} does not exist")
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-    reader = readers.get(p.suffix.lower())
-    if reader is None:
-        raise ValueError(
-            f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory"
-        )
-    return reader(p)
 
 
 def _field(row: Mapping[str, Any], index: int, name: str, source: str) -> Any:
@@ -386,116 +313,6 @@ def build_splits(
     if not eval_src:
         return train, None
     return train, build_prompt_dataset(eval_src, tokenizer, fmt, seed=seed, shuffle=False, name="eval")
-
-
-_RUN_TAG = 0x52554E  # marks a permutation key that holds a run seed
-
-
-class PromptCursor:
-    """A resumable position in a dataset of `size` prompts, the one both loops use: epoch and position in
-    that epoch's seeded permutation (numpy's generator seeded with [seed, epoch], or with [seed, epoch,
-    run_seed, _RUN_TAG] when a run's seed also orders the prompts; the tag keeps the two forms apart).
-
-    `next()` gives one index (None once `num_epochs` passes are done; None = never), `next_indices(n)`
-    the next n, crossing into the next epoch's permutation when one runs out. `state_dict()` holds the
-    position and what identifies the dataset (seed, shuffle, size, the dataset's `fingerprint`);
-    `load_state_dict` refuses a state saved for another dataset, naming the key that differs.
-    """
-
-    def __init__(
-        self,
-        size: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        num_epochs: int | None = None,
-        fingerprint: str | None = None,
-        name: str = "train",
-        run_seed: int | None = None,
-    ) -> None:
-        self.size, self.seed, self.shuffle, self.num_epochs = size, seed, shuffle, num_epochs
-        self.run_seed = run_seed
-        self.fingerprint, self.name = fingerprint, name
-        self.epoch = 0
-        self.position = 0
-        self._order_epoch = -1
-        self._order: list[int] = []
-
-    @property
-    def exhausted(self) -> bool:
-        return self.size == 0 or (self.num_epochs is not None and self.epoch >= self.num_epochs)
-
-    def _epoch_order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            key = [self.seed, self.epoch]
-            if self.run_seed is not None:
-                key += [self.run_seed % (1 << 64), _RUN_TAG]
-            rng = np.random.default_rng(key)
-            self._order = rng.permutation(self.size).tolist() if self.shuffle else list(range(self.size))
-            self._order_epoch = self.epoch
-        return self._order
-
-    def next(self) -> int | None:
-        """The next prompt index, or None at the end of the last epoch."""
-        if self.exhausted:
-            return None
-        index = self._epoch_order()[self.position]
-        self.position += 1
-        if self.position == self.size:
-            self.epoch, self.position = self.epoch + 1, 0
-        return index
-
-    def next_indices(self, n: int) -> list[int]:
-        """The next `n` indices, moving on to the next epoch when needed (ignores `num_epochs`)."""
-        if n < 1:
-            raise ValueError(f"batch size must be at least 1, got {n}")
-        out: list[int] = []
-        while len(out) < n:
-            order = self._epoch_order()
-            take = order[self.position : self.position + n - len(out)]
-            out.extend(take)
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position, plus what identifies the dataset: save this with a checkpoint."""
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "run_seed": self.run_seed,
-            "shuffle": self.shuffle,
-            "num_items": self.size,
-            "fingerprint": self.fingerprint,
-        }
-
-    def check_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Refuse a `state_dict()` written for a different dataset or seed, or an invalid position."""
-        expected = {
-            "seed": self.seed,
-            "run_seed": self.run_seed,
-            "shuffle": self.shuffle,
-            "num_items": self.size,
-            "fingerprint": self.fingerprint,
-        }
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
-                    f"this dataset has {key}={value!r}; resume with the same dataset, task config and run "
-                    "seed (a checkpoint without run_seed predates run-seeded prompt order: resume it with "
-                    "the posttrain version that wrote it)"
-                )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < max(self.size, 1):
-            raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a `state_dict()`, refused as `check_state_dict` refuses."""
-        self.check_state_dict(state)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class PromptDataset:
