@@ -81,3 +81,11 @@ def load_rows(path: str | Path, split: str | None = None) -> list[Any]:
             f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory"
         )
     return reader(p)
+
+
+def saved_splits(path: str | Path) -> list[str] | None:
+    """The split names of a DatasetDict saved with `save_to_disk` at `path`; None for any other source."""
+    index = Path(path) / "dataset_dict.json"
+    if not index.is_file():
+        return None
+    return list(json.loads(index.read_text(encoding="utf-8")).get("splits", []))
