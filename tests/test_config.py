@@ -232,3 +232,24 @@ def test_a_schedule_or_optimizer_the_policy_cannot_build_is_refused_at_load(over
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_config(GRPOConfig, None, [override])
+
+
+def test_an_overlong_buffer_as_long_as_the_completions_is_refused_at_load():
+    """DAPO shaping penalises the last overlong_buffer_length tokens before max_new_tokens: a buffer at
+    least that long took reward off every sample, a 2-token answer stopped on EOS included."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.algorithms.demo import DemoConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.ppo import PPOConfig
+
+    shaping = ["grpo.overlong_reward_shaping=true", "sampling.max_new_tokens=8"]
+    message = r"grpo.overlong_buffer_length=(8|32) is not below sampling.max_new_tokens=8.*at most 7"
+    for cls, prefix in ((GRPOConfig, ""), (AsyncGRPORunConfig, ""), (PPOConfig, ""), (DemoConfig, "grpo.")):
+        for buffer in (8, 32):
+            overrides = [prefix + o for o in [*shaping, f"grpo.overlong_buffer_length={buffer}"]]
+            with pytest.raises(ConfigError, match=message):
+                load_config(cls, None, overrides)
+        ok = load_config(cls, None, [prefix + o for o in [*shaping, "grpo.overlong_buffer_length=7"]])
+        assert (ok.grpo.grpo if prefix else ok.grpo).overlong_buffer_length == 7
+    unused = load_config(GRPOConfig, None, ["sampling.max_new_tokens=8", "grpo.overlong_buffer_length=32"])
+    assert not unused.grpo.overlong_reward_shaping  # no shaping, no penalty: accepted

@@ -202,3 +202,63 @@ def test_a_model_that_ships_dropout_trains_without_it_by_default(tmp_path, disab
     exact = metrics["loss"] == pytest.approx(math.log(2), abs=1e-6) and abs(metrics["reward_margin"]) < 1e-6
     assert exact == disable
     assert AutoConfig.from_pretrained(tmp_path).resid_pdrop == 0.1  # the saved model keeps its config
+
+
+def several_pairs_per_prompt(path, prompts: int = 10, pairs: int = 3, long_prompt: bool = False) -> None:
+    rows = [{"prompt": "long prompt " * 20, "chosen": "yes", "rejected": "no"}] if long_prompt else []
+    rows += [
+        {"prompt": f"q{i}", "chosen": f"good{j}", "rejected": f"bad{j}"}
+        for j in range(pairs)
+        for i in range(prompts)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_held_out_pairs_are_whole_prompts(tmp_path, seed):
+    """A prompt with several pairs was split pair by pair, so the held-out set shared prompts with
+    training; now every pair of a prompt lands on one side (seeded, the same each time)."""
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.tasks.preferences import PreferenceDataConfig, build_pairs
+
+    tok = build_char_tokenizer()
+    several_pairs_per_prompt(tmp_path / "pairs.jsonl")
+    data = PreferenceDataConfig(
+        path=str(tmp_path / "pairs.jsonl"),
+        eval_fraction=0.3,
+        seed=seed,
+        prompt_format={"chat_template": "never"},
+    )
+    train, held = build_pairs(data, tok)
+    train_prompts = {tuple(p.prompt_token_ids) for p in train}
+    held_prompts = {tuple(p.prompt_token_ids) for p in held}
+    assert not train_prompts & held_prompts
+    assert (len(train), len(held), len(held_prompts)) == (21, 9, 3)  # 30% of the pairs, as whole prompts
+    again, _ = build_pairs(data, tok)
+    assert [p.chosen_token_ids for p in again] == [p.chosen_token_ids for p in train]
+
+
+def test_pairs_keep_to_max_prompt_tokens(tmp_path, caplog):
+    """prompt_format.max_prompt_tokens and overlong_prompts were ignored for pairs files."""
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.tasks.preferences import PreferenceDataConfig, build_pairs
+
+    tok = build_char_tokenizer()
+    several_pairs_per_prompt(tmp_path / "pairs.jsonl", long_prompt=True)
+    fmt = {"chat_template": "never", "max_prompt_tokens": 16}
+    data = {"path": str(tmp_path / "pairs.jsonl"), "eval_fraction": 0.0}
+    with pytest.raises(
+        ValueError, match="1 of 31 train pair prompts are longer than max_prompt_tokens=16.*rows 0"
+    ):
+        build_pairs(PreferenceDataConfig(**data, prompt_format={**fmt, "overlong_prompts": "error"}), tok)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        train, held = build_pairs(PreferenceDataConfig(**data, prompt_format=fmt), tok)
+    assert len(train) == 30 and held == [] and max(len(p.prompt_token_ids) for p in train) <= 16
+    assert "dropped 1 of 31 train pair prompts longer than max_prompt_tokens=16" in caplog.text
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps({"prompt": "x" * 40, "chosen": "a", "rejected": "b"}) + "\n"
+    )
+    with pytest.raises(ValueError, match="every held-out pair prompt is longer than max_prompt_tokens=16"):
+        build_pairs(
+            PreferenceDataConfig(**data, eval_path=str(tmp_path / "eval.jsonl"), prompt_format=fmt), tok
+        )

@@ -6,6 +6,8 @@ than memorizes 80), 8 wrong answers per problem, 32 pairs a step, lr 5e-4 with a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from transformers import AutoModelForSequenceClassification
 
@@ -14,6 +16,8 @@ from posttrain.algorithms.rm import RMRunConfig, run_rm
 from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.config import ConfigError, build_config, load_config
 from posttrain.logging import read_metrics
+from posttrain.rollout.reward_model import RewardModel
+from posttrain.tasks.datasets import PromptItem
 
 ADDITION = {"name": "arithmetic", "operations": ["+"], "max_operand": 19}
 QUIET = {"logging": {"progress_bar": False}}
@@ -159,3 +163,91 @@ def test_a_reward_model_of_another_vocabulary_scores_the_rows_it_was_trained_on(
     )
     assert prompts[0] + completions[0] == trained + [rm_tok.eos_token_id]
     assert prompts[0][0] == rm_tok.bos_token_id
+
+
+def test_a_reward_model_of_another_vocabulary_scores_a_dataset_prompt_as_posttrain_rm_formats_it(tmp_path):
+    """`posttrain rm` trains on the raw prompt in the reward model's own chat template (its default
+    prompt format, chat_template=auto); scoring decoded the policy's templated prompt, plain."""
+    import json
+
+    from posttrain.generation.params import GenerationResult
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.rollout.reward_model import rm_prompts
+    from posttrain.tasks import DatasetConfig, PromptFormatConfig, build_splits
+    from posttrain.tasks.preferences import PreferenceDataConfig, build_pairs
+
+    policy_tok = build_char_tokenizer()
+    rm_tok = build_char_tokenizer()
+    rm_tok.add_tokens(["<extra>"])  # another vocabulary
+    rm_tok.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a: {% endif %}"
+    )
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "7+5=", "chosen": "12", "rejected": "13"}))
+    trained = build_pairs(PreferenceDataConfig(path=str(tmp_path / "pairs.jsonl"), eval_fraction=0.0), rm_tok)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"problem": "7+5=", "answer": "12"}))
+    policy_fmt = PromptFormatConfig(template="Q: {prompt}\nA:")  # the policy's own template
+    train, _ = build_splits(DatasetConfig(train_path=str(tmp_path / "d.jsonl")), policy_fmt, policy_tok)
+    item = train[0]
+    assert item.prompt == "Q: 7+5=\nA:"
+    completion = policy_tok("12", add_special_tokens=False)["input_ids"] + [policy_tok.eos_token_id]
+    result = GenerationResult(0, 0, item.prompt_token_ids, completion, [0.0] * len(completion), "stop")
+    scorer = SimpleNamespace(same_vocab=False, policy_tokenizer=policy_tok, tokenizer=rm_tok, pad_id=0)
+    prompts, completions = RewardModel._rows(scorer, [item, item], [result, result])
+    assert rm_tok.decode(prompts[0]) == "<s>u: 7+5=\na: "
+    assert prompts == [trained[0][0].prompt_token_ids] * 2
+    assert completions == [trained[0][0].chosen_token_ids] * 2
+    # an item without a raw problem (the built-in tasks, whose pairs are their formatted prompts): plain
+    bare = PromptItem(0, "7+5=", [policy_tok.bos_token_id, *policy_tok("7+5=")["input_ids"]])
+    assert rm_tok.decode(rm_prompts([bare], rm_tok, policy_tok)[0]) == "<s>7+5="
+
+
+def test_reward_model_scores_that_are_not_finite_fail_their_samples():
+    """A NaN or inf score was entered as a reward with the sample not failed (advantages NaN)."""
+    import math
+
+    import torch
+
+    from posttrain.rollout.reward_model import RewardModelConfig, combine_rewards
+
+    nan = float("nan")
+    rule = torch.tensor([1.0, 0.0, nan, 1.0])
+    rule_failed = torch.tensor([False, False, True, False])
+    scores = torch.tensor([0.5, nan, 0.25, float("inf")])
+
+    def combine(**weights):
+        return combine_rewards(rule, rule_failed, scores, RewardModelConfig(path="rm", **weights))
+
+    rewards, failed, metrics = combine(weight=1.0, task_weight=0.5)
+    assert failed.tolist() == [False, True, True, True]
+    assert rewards[0].item() == 1.0 and all(math.isnan(r) for r in rewards[1:].tolist())
+    assert metrics["reward/model"] == pytest.approx(0.375) and metrics["reward/model_failed"] == 2
+    rewards, failed, _ = combine(weight=2.0, task_weight=0.0)  # the rule reward a metric only
+    assert failed.tolist() == [False, True, False, True] and rewards[[0, 2]].tolist() == [1.0, 0.5]
+    rewards, failed, _ = combine(weight=0.0, task_weight=1.0)  # the model's score unused
+    assert failed.tolist() == [False, False, True, False] and rewards[[0, 1, 3]].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_failed_reward_model_scores_are_counted_in_the_step():
+    import torch
+
+    from posttrain.generation.params import GenerationResult
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.rollout.config import GroupConfig
+    from posttrain.rollout.groups import score
+    from posttrain.rollout.reward_model import RewardModelConfig
+    from posttrain.tasks import ArithmeticTaskConfig, build_task
+
+    tok = build_char_tokenizer()
+    task = build_task(ArithmeticTaskConfig(), tok)
+    item = task.train[0]
+    ids = tok(item.metadata["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    results = [GenerationResult(i, 0, item.prompt_token_ids, ids, [0.0] * len(ids), "stop") for i in range(4)]
+    rm = SimpleNamespace(
+        cfg=RewardModelConfig(path="rm"), score=lambda items, res: torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    )
+    rewards, failed, summary = score(
+        task, tok, [item], results, GroupConfig(num_generations_per_prompt=4), 8, rm
+    )
+    assert failed.tolist() == [False, True, False, False] and rewards[[0, 2, 3]].tolist() == [1.0, 2.0, 3.0]
+    assert summary["reward_failed"] == 1 and summary["reward_failed_fraction"] == 0.25

@@ -221,6 +221,57 @@ def test_load_reward_fn_by_path(tmp_path, monkeypatch):
         load_reward_fn("my_rewards:nope")
 
 
+TYPED_REWARD = (
+    "from __future__ import annotations\nfrom dataclasses import dataclass\n\n@dataclass\n"
+    "class Parsed:\n    value: str\n\n"
+    "def reward(prompts, completions, metadata):\n"
+    "    return [float(Parsed(c).value.strip() == m['answer']) for c, m in zip(completions, metadata)]\n"
+)
+
+
+def test_a_reward_file_is_a_registered_module(tmp_path):
+    """A file loaded by path is in sys.modules under one name per file, as an import would put it: a
+    dataclass under `from __future__ import annotations` works and its functions pickle (process pools);
+    a file that raises leaves no module behind."""
+    import pickle
+
+    (tmp_path / "typed.py").write_text(TYPED_REWARD)
+    fn = load_reward_fn(f"{tmp_path / 'typed.py'}:reward")
+    assert fn(["p", "p"], ["4", "5"], [{"answer": "4"}] * 2) == [1.0, 0.0]
+    assert sys.modules[fn.__module__].reward is fn
+    assert load_reward_fn(f"{tmp_path}/../{tmp_path.name}/typed.py:reward") is fn  # one file, one module
+    assert pickle.loads(pickle.dumps(fn)) is fn
+    (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match="raised RuntimeError: boom"):
+        load_reward_fn(f"{tmp_path / 'broken.py'}:f")
+    assert not [name for name in sys.modules if name.startswith("posttrain_user_broken_")]
+
+
+def test_cloudpickle_ships_a_reward_file_by_value(tmp_path):
+    """Ray and loky pickle with cloudpickle, which ships code by reference once its module is in
+    sys.modules; a fresh worker process has no module of that name, so the file's code goes by value."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("cloudpickle")
+    (tmp_path / "typed.py").write_text(TYPED_REWARD)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    dump = (  # cloudpickle imported after the load, as a run that starts Ray later would
+        "import sys; from posttrain.tasks.rewards import load_reward_fn; "
+        f"fn = load_reward_fn({str(tmp_path / 'typed.py')!r} + ':reward'); import cloudpickle; "
+        "sys.stdout.buffer.write(cloudpickle.dumps(fn))"
+    )
+    env = {**os.environ, "PYTHONPATH": src}
+    data = subprocess.run([sys.executable, "-c", dump], capture_output=True, timeout=120, env=env, check=True)
+    load = (
+        "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); "
+        "print(f(['p'], ['4'], [{'answer': '4'}]))"
+    )
+    out = subprocess.run([sys.executable, "-c", load], input=data.stdout, capture_output=True, timeout=120)
+    assert out.stdout.decode().strip() == "[1.0]", out.stderr.decode()[-500:]
+
+
 @pytest.mark.parametrize(
     ("path", "message"),
     [
@@ -454,6 +505,23 @@ def test_math_verify_reward(math_task):
     golds = ["0.5", "\\frac{1}{2}", "0.5", "0.5", "4"]
     out = math_task.reward(["p"] * 5, completions, [{"answer": g} for g in golds])
     assert out.rewards == [1.0, 1.0, 0.0, 0.0, 1.0] and not any(out.failed)
+
+
+def test_a_gold_answer_with_an_escaped_dollar_sign_is_read(math_task):
+    """'\\$18.90' held a '$', so the gold was not wrapped in $...$ and failed to parse: every sample of
+    the prompt was marked failed."""
+    golds = ["\\$18.90", "\\$18.90", "\\$5", "\\$5", "$18$", "$1,000"]
+    completions = [
+        "\\boxed{18.90}",
+        "\\boxed{\\$18.90}",
+        "\\boxed{5}",
+        "\\boxed{7}",
+        "\\boxed{18}",
+        "\\boxed{1000}",
+    ]
+    out = math_task.reward(["p"] * 6, completions, [{"answer": g} for g in golds])
+    assert out.failed == [False] * 6, out.errors
+    assert out.rewards == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
 
 
 def test_math_verify_failures_are_not_zero(math_task, monkeypatch):

@@ -29,7 +29,10 @@ class GroupConfig(Config):
     overlong_filtering: bool = Field(False, description="truncated completions do not contribute to the loss")
     overlong_reward_shaping: bool = Field(False, description="DAPO soft penalty near max_new_tokens")
     overlong_buffer_length: int = Field(
-        4, ge=1, description="reward shaping: the penalty grows over this many tokens before max_new_tokens"
+        4,
+        ge=1,
+        description="reward shaping: the penalty grows over this many tokens before max_new_tokens (less "
+        "than sampling.max_new_tokens: a buffer as long would penalise every sample)",
     )
     overlong_penalty: float = Field(
         1.0, ge=0, description="reward shaping: the reward taken off at max_new_tokens (less before it)"
@@ -39,6 +42,20 @@ class GroupConfig(Config):
     seed: int = Field(
         0, description="seed of the run: torch's global seed, the sampling streams and validation"
     )
+
+
+def refuse_overlong_buffer(group: GroupConfig, max_new_tokens: int) -> None:
+    """Refuse DAPO overlong shaping whose buffer covers every completion length: with
+    `overlong_buffer_length >= max_new_tokens` the penalty zone starts at or before the first token, so
+    even a short answer that stopped on EOS loses reward. Run configs call this at load."""
+    if group.overlong_reward_shaping and group.overlong_buffer_length >= max_new_tokens:
+        raise ValueError(
+            f"grpo.overlong_buffer_length={group.overlong_buffer_length} is not below "
+            f"sampling.max_new_tokens={max_new_tokens}: the overlong penalty would start at the first token "
+            "and lower every sample's reward. Set grpo.overlong_buffer_length to at most "
+            f"{max_new_tokens - 1} (DAPO uses a fraction of max_new_tokens), raise sampling.max_new_tokens, "
+            "or set grpo.overlong_reward_shaping=false"
+        )
 
 
 class RolloutWorkerConfig(Config):

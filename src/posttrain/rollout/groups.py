@@ -200,6 +200,8 @@ def score(
         scores = reward_model.score(flat, results)
         rewards, failed, parts = combine_rewards(rewards, failed, scores, reward_model.cfg)
         summary.update(parts)
+        counted = float((failed | torch.tensor(res.failed, dtype=torch.bool)).sum())  # rule failures too
+        summary.update(reward_failed=counted, reward_failed_fraction=counted / max(len(failed), 1))
     if group.overlong_reward_shaping:
         lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
         over = (lengths - (max_new_tokens - group.overlong_buffer_length)).clamp(min=0)

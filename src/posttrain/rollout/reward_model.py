@@ -9,12 +9,15 @@ then `offload_after_refit`), so on an accelerator generation and training get th
 
 Tokens: when the reward model's tokenizer has the policy's vocabulary, the sampled ids are scored as
 they are (the prompt's ids, then the completion's, EOS included when the sample stopped on it): the
-rows `posttrain rm` trains on. Otherwise prompt and completion are decoded (without the policy's special
-tokens) and re-tokenized with the reward model's tokenizer as `posttrain rm` tokenizes with its default
-prompt format (its BOS first; EOS appended to completions that stopped).
+rows `posttrain rm` trains on. Otherwise the rows are built as `posttrain rm` builds them for the
+reward model's tokenizer with its default prompt format: a dataset task's raw problem
+(`metadata['problem']`, not the policy's templated prompt) in the reward model's own chat template when
+it has one, its BOS first (`rm_prompts`); the completion decoded without the policy's special tokens and
+re-tokenized, EOS appended when the sample stopped on it.
 
 A failed rule reward counts only where the rule reward counts: with `task_weight=0` it is a metric,
-and the sample keeps its reward-model score.
+and the sample keeps its reward-model score. A score that is not finite fails its sample (reward NaN,
+counted in reward_failed), never a 0.
 """
 
 from __future__ import annotations
@@ -27,13 +30,22 @@ from pydantic import Field, ValidationError, model_validator
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.params import GenerationResult
+from posttrain.logging import get_logger
 from posttrain.models.scalar_head import warn_if_pad_is_eos
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel.cluster import ClusterConfig
 from posttrain.policy.config import ParallelConfig, PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
-from posttrain.tasks.datasets import PromptFormatConfig, PromptItem, tokenize_prompts
+from posttrain.tasks.datasets import (
+    PromptFormatConfig,
+    PromptItem,
+    format_prompt,
+    tokenize_prompts,
+    uses_chat_template,
+)
+
+log = get_logger(__name__)
 
 
 class RewardModelConfig(Config):
@@ -117,16 +129,14 @@ class RewardModel:
             return [list(it.prompt_token_ids) for it in items], [list(r.token_ids) for r in results]
         dec, enc = self.policy_tokenizer.decode, self.tokenizer
         eos = self.tokenizer.eos_token_id
-        # the prompt text without the policy's special tokens, tokenized as `posttrain rm` tokenizes its
-        # prompts (the reward model's own BOS first, by the default prompt format)
-        texts = [dec(it.prompt_token_ids, skip_special_tokens=True) for it in items]
-        prompts = tokenize_prompts(texts, self.tokenizer, PromptFormatConfig(), use_chat=False)
         completions = [
             enc(dec(r.token_ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
             + ([eos] if r.finish_reason == "stop" and eos is not None else [])
             for r in results
         ]
-        return prompts, [c or [self.pad_id] for c in completions]
+        return rm_prompts(items, self.tokenizer, self.policy_tokenizer), [
+            c or [self.pad_id] for c in completions
+        ]
 
     def score(self, items: list[PromptItem], results: list[GenerationResult]) -> torch.Tensor:
         """[N] the reward model's score of each (item, result) row, in order."""
@@ -149,20 +159,57 @@ class RewardModel:
         self.policy.shutdown()
 
 
+def rm_prompts(items: list[PromptItem], tokenizer: Any, policy_tokenizer: Any) -> list[list[int]]:
+    """Each item's prompt in the reward model's `tokenizer` (another vocabulary than the policy's), as
+    `posttrain rm` formats a pair's prompt with its default prompt format: the raw problem
+    (`metadata['problem']`, a dataset task's prompt before the policy's template) in the reward model's
+    own chat template when it has one (chat_template=auto), its BOS first. An item without one (the
+    built-in arithmetic task, whose pairs `posttrain rm` takes already formatted, plain) is the policy's
+    prompt text without its special tokens, plain."""
+    fmt = PromptFormatConfig()
+    use_chat = uses_chat_template(tokenizer, fmt)
+    texts, chat = [], []
+    for it in items:
+        problem = it.metadata.get("problem")
+        if isinstance(problem, str):
+            texts.append(format_prompt(problem, tokenizer, fmt, use_chat))
+            chat.append(use_chat)
+        else:
+            texts.append(policy_tokenizer.decode(it.prompt_token_ids, skip_special_tokens=True))
+            chat.append(False)
+    out: list[list[int]] = [[] for _ in items]
+    for flag in (True, False):
+        rows = [i for i, c in enumerate(chat) if c == flag]
+        for i, ids in zip(rows, tokenize_prompts([texts[i] for i in rows], tokenizer, fmt, flag)):
+            out[i] = ids
+    return out
+
+
 def combine_rewards(
     rule: torch.Tensor, rule_failed: torch.Tensor, model_scores: torch.Tensor, cfg: RewardModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(rewards, failed, metrics): `weight * model_scores + task_weight * rule` (a failed rule reward
-    fails the sample only when task_weight is not 0); metrics reward/model and reward/rule (means over
-    the samples each could score)."""
-    rewards = cfg.weight * model_scores
-    failed = torch.zeros_like(rule_failed)
+    """(rewards, failed, metrics): `weight * model_scores + task_weight * rule`. A failed rule reward
+    fails the sample only when task_weight is not 0, a score that is not finite (NaN, inf) only when
+    weight is not 0; a failed sample's reward is NaN, never a 0. Metrics: reward/model and reward/rule
+    (means over the samples each could score) and reward/model_failed (scores not finite)."""
+    model_bad = ~torch.isfinite(model_scores)
+    rewards = cfg.weight * torch.where(model_bad, 0.0, model_scores)
+    failed = model_bad if cfg.weight != 0 else torch.zeros_like(rule_failed)
     if cfg.task_weight != 0:
-        rewards = rewards + cfg.task_weight * rule
-        failed = rule_failed
-    ok_rule = rule[~rule_failed]
+        rewards = rewards + cfg.task_weight * torch.where(rule_failed, 0.0, rule)
+        failed = failed | rule_failed
+    rewards = torch.where(failed, float("nan"), rewards)
+    if model_bad.any():
+        log.warning(
+            "reward model: %d of %d scores are not finite (NaN or inf)%s",
+            int(model_bad.sum()),
+            len(model_scores),
+            "; those samples are marked failed" if cfg.weight != 0 else " (reward_model.weight=0: unused)",
+        )
+    ok_rule, ok_model = rule[~rule_failed], model_scores[~model_bad]
     metrics = {
-        "reward/model": float(model_scores.mean()) if len(model_scores) else float("nan"),
+        "reward/model": float(ok_model.mean()) if len(ok_model) else float("nan"),
         "reward/rule": float(ok_rule.mean()) if len(ok_rule) else float("nan"),
+        "reward/model_failed": float(model_bad.sum()),
     }
     return rewards, failed, metrics

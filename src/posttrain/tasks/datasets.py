@@ -1,12 +1,14 @@
 """Prompt datasets: load rows from local files, check them, format and tokenize prompts, and serve them in a
 deterministic, resumable order.
 
-Sources are a `.jsonl` file (one JSON object per line), a `.json` file holding a list of objects, a
-`.parquet` file (needs `pyarrow`), or a directory written by `datasets.Dataset.save_to_disk` (needs
-`datasets`). Every row is checked up front, and a bad row is a `ValueError` that names its index and field,
-not a crash twenty minutes into a run. Prompts are wrapped in the tokenizer's chat template when it has one
-(configurable), else in a plain template string. Prompts longer than `max_prompt_tokens` are dropped and
-counted in the log, or refused, by config.
+Sources are read by tasks/sources.py (`.jsonl`, `.json`, `.parquet`, a `save_to_disk` directory). Every row
+is checked up front, and a bad row is a `ValueError` that names its index and field, not a crash twenty
+minutes into a run. A numeric gold answer becomes positional text (`0.00005`, `10000000000000000`, `72`
+for 72.0), never Python's `5e-05`, which answer checkers read as an expression in Euler's e. Prompts are
+wrapped in the tokenizer's chat template when it has one (configurable), else in a plain template string.
+Prompts longer than `max_prompt_tokens` are dropped and counted in the log, or refused, by config. A
+held-out split (`eval_fraction`) takes whole prompts: every row of a prompt that appears more than once
+lands on the same side.
 
 `PromptDataset` hands out prompts epoch by epoch in a seeded permutation; its `state_dict()` is the
 (epoch, position) a checkpoint needs to continue exactly where it stopped.
@@ -15,20 +17,19 @@ counted in the log, or refused, by config.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import json
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import Config
 from posttrain.logging import get_logger
+from posttrain.tasks.cursor import PromptCursor
+from posttrain.tasks.sources import load_rows, saved_splits
 
 logger = get_logger(__name__)
 
@@ -75,24 +76,64 @@ class DatasetConfig(Config):
         description="A .jsonl, .json or .parquet file, or a directory saved by datasets.save_to_disk."
     )
     eval_path: str | None = Field(
-        None, description="Held-out prompts (same formats); see also eval_fraction."
+        None, description="Held-out prompts (same formats); see also eval_split and eval_fraction."
     )
     train_split: str | None = Field(None, description="Split to use when train_path holds a DatasetDict.")
-    eval_split: str | None = Field(None, description="Split to use when eval_path holds a DatasetDict.")
+    eval_split: str | None = Field(
+        None,
+        description="Split of eval_path's DatasetDict to hold out; without eval_path, a split of "
+        "train_path's DatasetDict (e.g. train_split=train, eval_split=test).",
+    )
     eval_fraction: float = Field(
         0.0,
         ge=0.0,
         lt=1.0,
-        description="Without eval_path: hold out this fraction of the training rows (chosen by the seed).",
+        description="Without eval_path or eval_split: hold out this fraction of the training rows, whole "
+        "prompts at a time (a prompt's repeats all land on one side; chosen by the seed).",
     )
     prompt_field: str = Field("problem", description="Field holding the prompt (problem) text.")
     answer_field: str | None = Field(
         "answer", description="Field holding the gold answer, passed to the reward as metadata['answer']."
     )
     metadata_fields: list[str] = Field(
-        default_factory=list, description="Further fields copied into each prompt's metadata for the reward."
+        default_factory=list,
+        description="Further fields copied into each prompt's metadata for the reward (not 'problem', nor "
+        "'answer' while answer_field sets it).",
     )
     max_rows: int | None = Field(None, ge=1, description="Use only the first max_rows rows of each source.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetConfig:
+        _refuse_own_metadata(self)
+        held = [f"{key}={getattr(self, key)!r}" for key in ("eval_path", "eval_split") if getattr(self, key)]
+        if self.eval_fraction > 0 and held:
+            raise ValueError(
+                f"eval_fraction={self.eval_fraction} holds out training rows, but {' and '.join(held)} "
+                "already names the held-out prompts; set eval_fraction=0, or drop eval_path and eval_split"
+            )
+        if self.eval_path is None and self.eval_split is not None and self.eval_split == self.train_split:
+            raise ValueError(
+                f"eval_split={self.eval_split!r} is train_split: without eval_path the held-out prompts "
+                "would be the training prompts; name another split of train_path, or set eval_path"
+            )
+        return self
+
+
+def _refuse_own_metadata(cfg: DatasetConfig) -> None:
+    """Refuse metadata_fields that would overwrite what the dataset itself puts in metadata."""
+    own = {"problem": f"the prompt text (prompt_field={cfg.prompt_field!r})"}
+    if cfg.answer_field is not None:
+        own["answer"] = f"the gold answer (answer_field={cfg.answer_field!r})"
+    for name in cfg.metadata_fields:
+        if name not in own:
+            continue
+        hint = ""
+        if name == "answer" and cfg.answer_field != "answer":
+            hint = " (or set answer_field='answer' to make that column the gold answer)"
+        raise ValueError(
+            f"metadata_fields names {name!r}, but metadata[{name!r}] holds {own[name]} and would be "
+            f"overwritten; remove {name!r} from metadata_fields{hint}"
+        )
 
 
 @dataclass(frozen=True)
@@ -159,77 +200,6 @@ def as_repeat(item: PromptItem, repeat: int) -> PromptItem:
     return item if repeat == 0 else replace(item, repeat=repeat)
 
 
-def _require(module: str, purpose: str) -> Any:
-    """Import an optional dependency, or say which package to install for `purpose`."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        package = module.split(".")[0]
-        raise ValueError(f"{purpose} needs the '{package}' package: pip install {package}") from exc
-
-
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}: row {len(rows)} (line {line_no}) is not valid JSON ({exc.msg}); each line must "
-                    "hold one JSON object"
-                ) from exc
-    return rows
-
-
-def _read_json(path: Path) -> list[Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc.msg}); use a list of objects or .jsonl") from exc
-    if not isinstance(data, list):
-        raise ValueError(f"{path} must hold a JSON list of objects, got {type(data).__name__}")
-    return data
-
-
-def _read_parquet(path: Path) -> list[Any]:
-    pq = _require("pyarrow.parquet", "reading .parquet files")
-    return pq.read_table(path).to_pylist()
-
-
-def _read_saved_dataset(path: Path, split: str | None) -> list[Any]:
-    hf = _require("datasets", "reading a save_to_disk directory")
-    ds = hf.load_from_disk(str(path))
-    if isinstance(ds, hf.DatasetDict):
-        if split is None or split not in ds:
-            raise ValueError(
-                f"{path} holds the splits {sorted(ds)}; choose one with the train_split / eval_split setting "
-                f"(got {split!r})"
-            )
-        ds = ds[split]
-    return ds.to_list()
-
-
-def load_rows(path: str | Path, split: str | None = None) -> list[Any]:
-    """Read all rows of a local .jsonl / .json / .parquet file or a `save_to_disk` directory."""
-    p = Path(path)
-    if p.is_dir():
-        if not any((p / name).exists() for name in ("dataset_dict.json", "state.json", "dataset_info.json")):
-            raise ValueError(f"directory {p} is not a dataset saved by datasets.save_to_disk")
-        return _read_saved_dataset(p, split)
-    if not p.is_file():
-        raise ValueError(f"dataset path {p} does not exist")
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-    reader = readers.get(p.suffix.lower())
-    if reader is None:
-        raise ValueError(
-            f"unsupported dataset file {p}: use .jsonl, .json, .parquet or a save_to_disk directory"
-        )
-    return reader(p)
-
-
 def _field(row: Mapping[str, Any], index: int, name: str, source: str) -> Any:
     if name not in row:
         raise ValueError(
@@ -242,13 +212,21 @@ def _field(row: Mapping[str, Any], index: int, name: str, source: str) -> Any:
     return value
 
 
+def answer_text(value: Any) -> str:
+    """A gold answer as text: a float written positionally (0.00005, 10000000000000000, 72 for 72.0), not
+    as Python's str() writes it ('5e-05', '1e+16'), which math-verify reads as 5*E - 5 (Euler's e)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return np.format_float_positional(value + 0.0, trim="-")  # + 0.0: -0.0 is written '0'
+    return str(value)
+
+
 def _text_field(row: Mapping[str, Any], index: int, name: str, source: str, numbers_ok: bool) -> str:
     value = _field(row, index, name, source)
     allowed = (str, int, float) if numbers_ok else (str,)
     if isinstance(value, bool) or not isinstance(value, allowed):
         kinds = "a string or a number" if numbers_ok else "a string"
         raise ValueError(f"{source}: row {index} field '{name}' must be {kinds}, got {type(value).__name__}")
-    text = str(value)
+    text = answer_text(value)
     if not text.strip():
         raise ValueError(f"{source}: row {index} field '{name}' is empty")
     return text
@@ -272,13 +250,31 @@ def rows_to_prompts(rows: Sequence[Any], cfg: DatasetConfig, source: str) -> lis
     return out
 
 
+_WARNED: set[str] = set()  # warnings given once per process
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
 def uses_chat_template(tokenizer: Any, fmt: PromptFormatConfig) -> bool:
+    """Whether prompts go through the tokenizer's chat template (warns once that a system prompt is
+    unused when they do not)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if fmt.chat_template == "always" and not has_template:
         raise ValueError(
             "chat_template=always but the tokenizer has no chat_template; set chat_template to auto or never"
         )
-    return has_template and fmt.chat_template != "never"
+    use_chat = has_template and fmt.chat_template != "never"
+    if fmt.system_prompt and not use_chat:
+        why = "chat_template=never" if has_template else "the tokenizer has no chat template"
+        _warn_once(
+            f"prompt_format.system_prompt is not used: {why}, and only a chat template has a system message. "
+            "Put its text in prompt_format.template, or remove system_prompt"
+        )
+    return use_chat
 
 
 def format_prompt(text: str, tokenizer: Any, fmt: PromptFormatConfig, use_chat: bool) -> str:
@@ -304,34 +300,43 @@ def tokenize_prompts(
     return ids
 
 
-def _drop_overlong(items: list[PromptItem], fmt: PromptFormatConfig, name: str) -> list[PromptItem]:
+def fitting_prompts(
+    lengths: Sequence[int], ids: Sequence[int], fmt: PromptFormatConfig, name: str
+) -> list[int]:
+    """Positions of the prompts (token counts `lengths`, rows `ids` for the messages) no longer than
+    `fmt.max_prompt_tokens`; longer ones are dropped and logged, or refused (`overlong_prompts=error`)."""
     limit = fmt.max_prompt_tokens
-    over = [it for it in items if len(it.prompt_token_ids) > limit]
+    over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
-        return items
-    longest = max(len(it.prompt_token_ids) for it in over)
-    ids = ", ".join(str(it.prompt_id) for it in over[:10]) + (", ..." if len(over) > 10 else "")
+        return list(range(len(lengths)))
+    longest = max(lengths[i] for i in over)
+    rows = ", ".join(str(ids[i]) for i in over[:10]) + (", ..." if len(over) > 10 else "")
     if fmt.overlong_prompts == "error":
         raise ValueError(
-            f"{len(over)} of {len(items)} {name} prompts are longer than max_prompt_tokens={limit} (longest "
-            f"{longest} tokens; rows {ids}). Raise max_prompt_tokens to at least {longest} or set "
+            f"{len(over)} of {len(lengths)} {name} prompts are longer than max_prompt_tokens={limit} (longest "
+            f"{longest} tokens; rows {rows}). Raise max_prompt_tokens to at least {longest} or set "
             "overlong_prompts=drop."
         )
     logger.warning(
         "dropped %d of %d %s prompts longer than max_prompt_tokens=%d (longest %d tokens; rows %s)",
         len(over),
-        len(items),
+        len(lengths),
         name,
         limit,
         longest,
-        ids,
+        rows,
     )
-    kept = [it for it in items if len(it.prompt_token_ids) <= limit]
-    if not kept:
+    if len(over) == len(lengths):
         raise ValueError(
             f"every {name} prompt is longer than max_prompt_tokens={limit}; raise it to {longest}"
         )
-    return kept
+    dropped = set(over)
+    return [i for i in range(len(lengths)) if i not in dropped]
+
+
+def _drop_overlong(items: list[PromptItem], fmt: PromptFormatConfig, name: str) -> list[PromptItem]:
+    lengths = [len(it.prompt_token_ids) for it in items]
+    return [items[i] for i in fitting_prompts(lengths, [it.prompt_id for it in items], fmt, name)]
 
 
 def build_prompt_dataset(
@@ -355,10 +360,26 @@ def build_prompt_dataset(
     return PromptDataset(kept, seed=seed, shuffle=shuffle, num_dropped=len(items) - len(kept), name=name)
 
 
+def hold_out_groups(keys: Sequence[Any], order: Sequence[int], k: int) -> set[int]:
+    """The rows held out: walking `order` (a seeded permutation of the rows), every row of the next
+    row's group (rows with an equal key: the same prompt) until at least `k` rows are held. Without
+    repeated keys these are exactly `order[:k]`."""
+    groups: dict[Any, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(key, []).append(row)
+    held: set[int] = set()
+    for row in order:
+        if len(held) >= k:
+            break
+        held.update(groups[keys[row]])
+    return held
+
+
 def split_holdout(
     sources: list[SourcePrompt], fraction: float, seed: int
 ) -> tuple[list[SourcePrompt], list[SourcePrompt]]:
-    """Split into (train, held-out) by a seeded permutation; the two never share a prompt."""
+    """Split into (train, held-out) by a seeded permutation of the rows, whole prompts at a time: the
+    rows of a prompt that appears more than once all land on one side, so the two never share a prompt."""
     if fraction <= 0:
         return sources, []
     k = max(1, round(len(sources) * fraction))
@@ -366,8 +387,14 @@ def split_holdout(
         raise ValueError(
             f"eval_fraction={fraction} leaves no training prompts out of {len(sources)}; lower it"
         )
-    order = np.random.default_rng(seed).permutation(len(sources))
-    held = set(order[:k].tolist())
+    order = np.random.default_rng(seed).permutation(len(sources)).tolist()
+    held = hold_out_groups([s.text for s in sources], order, k)
+    if len(held) == len(sources):
+        distinct = len({s.text for s in sources})
+        raise ValueError(
+            f"eval_fraction={fraction} holds out every prompt: the {len(sources)} rows hold {distinct} "
+            "distinct prompts, each kept whole on one side; lower eval_fraction or add prompts"
+        )
     train = [s for i, s in enumerate(sources) if i not in held]
     return train, [s for i, s in enumerate(sources) if i in held]
 
@@ -375,127 +402,27 @@ def split_holdout(
 def build_splits(
     ds: DatasetConfig, fmt: PromptFormatConfig, tokenizer: Any, *, seed: int = 0
 ) -> tuple[PromptDataset, PromptDataset | None]:
-    """Train and eval PromptDatasets from `ds` (eval from eval_path, else held out by eval_fraction)."""
+    """Train and eval PromptDatasets from `ds`: eval from eval_path (its eval_split), else from train_path's
+    eval_split, else held out of the training rows by eval_fraction."""
     train_src = rows_to_prompts(load_rows(ds.train_path, ds.train_split), ds, source=ds.train_path)
     eval_src: list[SourcePrompt] = []
     if ds.eval_path:
         eval_src = rows_to_prompts(load_rows(ds.eval_path, ds.eval_split), ds, source=ds.eval_path)
+    elif ds.eval_split is not None:
+        if saved_splits(ds.train_path) is None:
+            raise ValueError(
+                f"eval_split={ds.eval_split!r} without eval_path reads that split of train_path, but "
+                f"{ds.train_path} is not a DatasetDict saved with save_to_disk; set eval_path to the "
+                "held-out prompts, or use eval_fraction instead of eval_split"
+            )
+        source = f"{ds.train_path} (split {ds.eval_split})"
+        eval_src = rows_to_prompts(load_rows(ds.train_path, ds.eval_split), ds, source=source)
     else:
         train_src, eval_src = split_holdout(train_src, ds.eval_fraction, seed)
     train = build_prompt_dataset(train_src, tokenizer, fmt, seed=seed, shuffle=True, name="train")
     if not eval_src:
         return train, None
     return train, build_prompt_dataset(eval_src, tokenizer, fmt, seed=seed, shuffle=False, name="eval")
-
-
-_RUN_TAG = 0x52554E  # marks a permutation key that holds a run seed
-
-
-class PromptCursor:
-    """A resumable position in a dataset of `size` prompts, the one both loops use: epoch and position in
-    that epoch's seeded permutation (numpy's generator seeded with [seed, epoch], or with [seed, epoch,
-    run_seed, _RUN_TAG] when a run's seed also orders the prompts; the tag keeps the two forms apart).
-
-    `next()` gives one index (None once `num_epochs` passes are done; None = never), `next_indices(n)`
-    the next n, crossing into the next epoch's permutation when one runs out. `state_dict()` holds the
-    position and what identifies the dataset (seed, shuffle, size, the dataset's `fingerprint`);
-    `load_state_dict` refuses a state saved for another dataset, naming the key that differs.
-    """
-
-    def __init__(
-        self,
-        size: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        num_epochs: int | None = None,
-        fingerprint: str | None = None,
-        name: str = "train",
-        run_seed: int | None = None,
-    ) -> None:
-        self.size, self.seed, self.shuffle, self.num_epochs = size, seed, shuffle, num_epochs
-        self.run_seed = run_seed
-        self.fingerprint, self.name = fingerprint, name
-        self.epoch = 0
-        self.position = 0
-        self._order_epoch = -1
-        self._order: list[int] = []
-
-    @property
-    def exhausted(self) -> bool:
-        return self.size == 0 or (self.num_epochs is not None and self.epoch >= self.num_epochs)
-
-    def _epoch_order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            key = [self.seed, self.epoch]
-            if self.run_seed is not None:
-                key += [self.run_seed % (1 << 64), _RUN_TAG]
-            rng = np.random.default_rng(key)
-            self._order = rng.permutation(self.size).tolist() if self.shuffle else list(range(self.size))
-            self._order_epoch = self.epoch
-        return self._order
-
-    def next(self) -> int | None:
-        """The next prompt index, or None at the end of the last epoch."""
-        if self.exhausted:
-            return None
-        index = self._epoch_order()[self.position]
-        self.position += 1
-        if self.position == self.size:
-            self.epoch, self.position = self.epoch + 1, 0
-        return index
-
-    def next_indices(self, n: int) -> list[int]:
-        """The next `n` indices, moving on to the next epoch when needed (ignores `num_epochs`)."""
-        if n < 1:
-            raise ValueError(f"batch size must be at least 1, got {n}")
-        out: list[int] = []
-        while len(out) < n:
-            order = self._epoch_order()
-            take = order[self.position : self.position + n - len(out)]
-            out.extend(take)
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position, plus what identifies the dataset: save this with a checkpoint."""
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "run_seed": self.run_seed,
-            "shuffle": self.shuffle,
-            "num_items": self.size,
-            "fingerprint": self.fingerprint,
-        }
-
-    def check_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Refuse a `state_dict()` written for a different dataset or seed, or an invalid position."""
-        expected = {
-            "seed": self.seed,
-            "run_seed": self.run_seed,
-            "shuffle": self.shuffle,
-            "num_items": self.size,
-            "fingerprint": self.fingerprint,
-        }
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"the checkpoint's {self.name} data position was saved with {key}={state.get(key)!r} but "
-                    f"this dataset has {key}={value!r}; resume with the same dataset, task config and run "
-                    "seed (a checkpoint without run_seed predates run-seeded prompt order: resume it with "
-                    "the posttrain version that wrote it)"
-                )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < max(self.size, 1):
-            raise ValueError(f"invalid {self.name} data position epoch={epoch} position={position}")
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a `state_dict()`, refused as `check_state_dict` refuses."""
-        self.check_state_dict(state)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class PromptDataset:

@@ -13,13 +13,14 @@ once; run the reward in the main thread where unbounded sympy work is a concern.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Literal
 
 from pydantic import Field
 
 from posttrain.logging import get_logger
-from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, build_splits
+from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, answer_text, build_splits
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
@@ -27,6 +28,7 @@ logger = get_logger(__name__)
 
 DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
 _GOLD_CACHE_SIZE = 100_000
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
 class MathTaskConfig(TaskConfigBase):
@@ -77,7 +79,8 @@ class MathVerifyReward:
     def _parse_gold(self, answer: str, timeout: int | None) -> list[Any]:
         key = (answer, timeout)
         if key not in self._gold:
-            text = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+            # written for a LaTeX reader already: an unescaped '$' (not a currency sign '\$') or \boxed{}
+            text = answer if _UNESCAPED_DOLLAR.search(answer) or "\\boxed" in answer else f"${answer}$"
             parsed = self._mv.parse(text, parsing_timeout=timeout, raise_on_error=True)
             if all(isinstance(x, str) for x in parsed):  # empty, or only the unparsed text as a fallback
                 raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
@@ -86,9 +89,9 @@ class MathVerifyReward:
             self._gold[key] = parsed
         return self._gold[key]
 
-    def score_one(self, completion: str, answer: str, timeout: int | None) -> float:
+    def score_one(self, completion: str, answer: Any, timeout: int | None) -> float:
         """1.0 or 0.0; raises when math-verify fails or times out."""
-        gold = self._parse_gold(str(answer), timeout)
+        gold = self._parse_gold(answer_text(answer), timeout)
         pred = self._mv.parse(completion, parsing_timeout=timeout, raise_on_error=True)
         ok = self._mv.verify(
             gold, pred, float_rounding=self.float_rounding, timeout_seconds=timeout, raise_on_error=True

@@ -1,10 +1,12 @@
 """Preference pairs for DPO: a prompt with a chosen and a rejected completion, as token ids.
 
 Sources: a local file or saved dataset (`.jsonl`, `.json`, `.parquet`, a `datasets.save_to_disk`
-directory; tasks/datasets.py `load_rows`) with a prompt, a chosen and a rejected text per row, or the
+directory; tasks/sources.py `load_rows`) with a prompt, a chosen and a rejected text per row, or the
 built-in arithmetic pairs (the correct answer against a wrong one), which need no file. Prompts are
-formatted like every task's (chat template when the tokenizer has one); completions are the texts as
-written plus EOS. Every row is checked up front: a bad row is a ValueError naming its index and field.
+formatted and length-limited like every task's (chat template when the tokenizer has one;
+`prompt_format.max_prompt_tokens` and `overlong_prompts`); completions are the texts as written plus EOS.
+Every row is checked up front: a bad row is a ValueError naming its index and field. Held-out pairs
+(`eval_fraction`) are whole prompts: a prompt's pairs are all trained on or all held out.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from posttrain.config import Config
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig, build_arithmetic_task
 from posttrain.tasks.datasets import (
     PromptFormatConfig,
+    fitting_prompts,
     format_prompt,
-    load_rows,
+    hold_out_groups,
     tokenize_prompts,
     uses_chat_template,
 )
+from posttrain.tasks.sources import load_rows
 
 
 @dataclass
@@ -71,16 +75,24 @@ def _text(row: Any, index: int, cfg: PreferenceDataConfig, field: str, source: s
     return value
 
 
-def _pairs_from_rows(rows: list[Any], cfg: PreferenceDataConfig, tokenizer: Any, source: str):
-    prompts, chosen, rejected = [], [], []
-    for i, row in enumerate(rows):
-        prompts.append(_text(row, i, cfg, "prompt_key", source))
-        chosen.append(_text(row, i, cfg, "chosen_key", source))
-        rejected.append(_text(row, i, cfg, "rejected_key", source))
-    use_chat = uses_chat_template(tokenizer, cfg.prompt_format)
-    texts = [format_prompt(p, tokenizer, cfg.prompt_format, use_chat) for p in prompts]
+def _columns(rows: list[Any], cfg: PreferenceDataConfig, source: str) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) of every row, each checked."""
+    keys = ("prompt_key", "chosen_key", "rejected_key")
+    return [tuple(_text(row, i, cfg, key, source) for key in keys) for i, row in enumerate(rows)]
+
+
+def _pairs(
+    rows: list[tuple[str, str, str]], ids: list[int], cfg: PreferenceDataConfig, tokenizer: Any, name: str
+) -> list[PreferencePair]:
+    """Tokenized pairs of `rows` (file rows `ids`), prompts formatted and length-limited as a prompt
+    dataset's are (prompt_format.max_prompt_tokens, overlong_prompts)."""
+    fmt = cfg.prompt_format
+    use_chat = uses_chat_template(tokenizer, fmt)
+    texts = [format_prompt(prompt, tokenizer, fmt, use_chat) for prompt, _, _ in rows]
+    prompt_ids = tokenize_prompts(texts, tokenizer, fmt, use_chat)
+    keep = fitting_prompts([len(x) for x in prompt_ids], ids, fmt, name)
     return _tokenized(
-        tokenize_prompts(texts, tokenizer, cfg.prompt_format, use_chat), chosen, rejected, tokenizer
+        [prompt_ids[i] for i in keep], [rows[i][1] for i in keep], [rows[i][2] for i in keep], tokenizer
     )
 
 
@@ -116,16 +128,28 @@ def arithmetic_pairs(cfg: PreferenceDataConfig, tokenizer: Any):
 def build_pairs(
     cfg: PreferenceDataConfig, tokenizer: Any
 ) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    """(train, held-out) pairs."""
+    """(train, held-out) pairs. Without eval_path, eval_fraction of the rows is held out whole prompts at
+    a time (every pair of a prompt lands on one side), by a seeded shuffle."""
     if cfg.path is None:
         return arithmetic_pairs(cfg, tokenizer)
-    train = _pairs_from_rows(load_rows(cfg.path, cfg.split), cfg, tokenizer, cfg.path)
-    if not train:
+    rows = _columns(load_rows(cfg.path, cfg.split), cfg, cfg.path)
+    if not rows:
         raise ValueError(f"{cfg.path} holds no preference pairs")
     if cfg.eval_path is not None:
-        return train, _pairs_from_rows(load_rows(cfg.eval_path, cfg.split), cfg, tokenizer, cfg.eval_path)
-    order = list(range(len(train)))
+        held_rows = _columns(load_rows(cfg.eval_path, cfg.split), cfg, cfg.eval_path)
+        train = _pairs(rows, list(range(len(rows))), cfg, tokenizer, "train pair")
+        return train, _pairs(held_rows, list(range(len(held_rows))), cfg, tokenizer, "held-out pair")
+    order = list(range(len(rows)))
     random.Random(cfg.seed).shuffle(order)
-    n_eval = int(len(train) * cfg.eval_fraction)
-    held = set(order[:n_eval])
-    return [p for i, p in enumerate(train) if i not in held], [p for i, p in enumerate(train) if i in held]
+    held = hold_out_groups([prompt for prompt, _, _ in rows], order, int(len(rows) * cfg.eval_fraction))
+    if len(held) == len(rows):
+        raise ValueError(
+            f"data.eval_fraction={cfg.eval_fraction} holds out every prompt of {cfg.path} (each prompt's "
+            "pairs stay on one side); lower it, add prompts, or set data.eval_path"
+        )
+    train_ids = [i for i in range(len(rows)) if i not in held]
+    held_ids = sorted(held)
+    return (
+        _pairs([rows[i] for i in train_ids], train_ids, cfg, tokenizer, "train pair"),
+        _pairs([rows[i] for i in held_ids], held_ids, cfg, tokenizer, "held-out pair"),
+    )

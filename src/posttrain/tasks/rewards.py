@@ -7,14 +7,21 @@ non-numeric or a non-finite value marks that sample *failed* (its reward is NaN 
 the failure is counted. Unlike the usual "except: reward = 0" this keeps a broken verifier from teaching the
 policy that a correct answer is worth nothing. `RewardConfig.on_reward_error` decides whether the run skips
 failed samples or stops.
+
+A reward function (or an environment class, a tool-call parser) named by file, 'path/to/file.py:name', is
+loaded as a module registered in sys.modules under one name per file, as an import would register it, so
+dataclasses and pickling find it; cloudpickle (Ray, loky) still ships its code by value.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
 import numbers
+import re
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -286,15 +293,47 @@ def _raised_at(exc: BaseException) -> str:
     return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
+def file_module_name(file: Path) -> str:
+    """The name a file loaded by path is registered under in sys.modules: its stem, made an identifier,
+    and a hash of its resolved path (two files of one name stay apart; one file keeps one name)."""
+    resolved = str(file.resolve())
+    stem = re.sub(r"\W", "_", file.stem)
+    return f"posttrain_user_{stem}_{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
+
+
 def _exec_file(file: Path, path: str, what: str) -> Any:
+    """Run `file` as a module registered in sys.modules (as an import would: dataclasses, pickling and
+    process pools look a function's or class's module up there); loaded once per process."""
     if not file.is_file():
         raise ValueError(f"{what} '{path}': file '{file}' does not exist")
-    spec = importlib.util.spec_from_file_location(f"posttrain_user_reward_{file.stem}", file)
+    name = file_module_name(file)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
         raise ValueError(f"{what} '{path}': cannot load '{file}' as a Python module")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    _pickle_by_value(mod)
     return mod
+
+
+def _pickle_by_value(mod: Any) -> None:
+    """Have cloudpickle (loky) and Ray's copy of it ship `mod`'s functions and classes by value, as they
+    did while it was in no sys.modules: by reference, a fresh worker process would import `mod` by its
+    name and fail. Ray's copy is registered when Ray is already imported (importing it imports Ray)."""
+    names = ["ray.cloudpickle"] if "ray" in sys.modules else []
+    if importlib.util.find_spec("cloudpickle") is not None:
+        names.append("cloudpickle")
+    for name in names:
+        register = getattr(importlib.import_module(name), "register_pickle_by_value", None)
+        if register is not None:
+            register(mod)
 
 
 def _import_module(module: str, path: str, what: str = "reward function") -> Any:
