@@ -70,9 +70,7 @@ def family_config(name: str, vocab_size: int, **overrides) -> PretrainedConfig:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **_COMMON,
-        **extra,
-        **overrides,
+        **{**_COMMON, **extra, **overrides},  # overrides may replace a common key (max_position_embeddings)
     )
 
 

@@ -11,12 +11,15 @@ group out as one row (prompt, then every completion, block mask; one model call)
 runs the prompts, then every completion on its prompt's keys and values (two calls; for groups too
 long for one row). The logprobs and gradients are those of the plain forward (the same math,
 float-order differences only); the tokens through the model drop from the sum of all row lengths
-to the distinct prompts plus the completions.
+to the distinct prompts plus the completions. A model whose rotary frequencies follow the sequence
+length (models/rope.py) passes a `length_key`: rows share a prompt's tokens only where their lengths
+give the same frequencies, and each plan records the length its shared tokens take them from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +29,8 @@ from tensordict import TensorDict
 from posttrain.data.batch import trim_to_longest
 
 MicroBatchMode = Literal["fixed", "dynamic", "packed"]
+# row lengths [b] -> keys [b], equal where the model computes a prompt's tokens alike (models/rope.py)
+LengthKey = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -55,6 +60,7 @@ class SharedPrefix:
     split: torch.Tensor  # [b] where each row's suffix starts (= its prefix length)
     suffix_ids: torch.Tensor  # [b, s] right-padded
     gather_index: torch.Tensor  # [b, t]
+    prefix_row_lengths: torch.Tensor  # [u] longest row starting with each prefix (models/rope.py)
 
     def to(self, device: torch.device | str) -> SharedPrefix:
         return SharedPrefix(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
@@ -74,6 +80,7 @@ class GroupedRows:
     attention_mask: torch.Tensor  # [r, l, l] bool, True where attention is allowed
     prev: torch.Tensor  # [r, l] position whose logits score token j
     gather_index: torch.Tensor  # [b, t]
+    row_lengths: torch.Tensor  # [r] longest of the rows in each grouped row (models/rope.py)
 
     def to(self, device: torch.device | str) -> GroupedRows:
         return GroupedRows(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
@@ -240,11 +247,13 @@ def make_microbatches(
     pad_id: int = 0,
     share_prefix: bool = False,
     row_group: int = 1,
+    length_key: LengthKey | None = None,
 ) -> list[MicroBatch]:
     """Cut `batch` by `mode`: 'fixed' uses `size` rows, 'dynamic' and 'packed' use a `max_tokens` budget.
     With `share_prefix`, padded micro-batches whose rows share prompts get a shared-prefix plan when
-    it saves enough tokens (see `plan_shared_prefix`). `row_group`: every `row_group` consecutive rows
-    stay in one micro-batch, in order (a loss over row pairs; fixed sizes must be multiples of it)."""
+    it saves enough tokens (see `plan_shared_prefix`; `length_key` as there). `row_group`: every
+    `row_group` consecutive rows stay in one micro-batch, in order (a loss over row pairs; fixed sizes
+    must be multiples of it)."""
     if mode == "packed":
         return packed_microbatches(batch, max_tokens, pad_id, row_group)
     if mode == "fixed":
@@ -257,7 +266,7 @@ def make_microbatches(
         mbs = dynamic_microbatches(batch, max_tokens, row_group)
     if share_prefix:
         for mb in mbs:
-            mb.shared = plan_shared_prefix(mb.data, pad_id)
+            mb.shared = plan_shared_prefix(mb.data, pad_id, length_key=length_key)
     return mbs
 
 
@@ -271,34 +280,42 @@ GROUPED_ROW_MAX = 1024
 @dataclass
 class _Groups:
     """Rows of a padded micro-batch grouped by their prefix (everything before the first trained
-    token: the prompt; at least one token, and at least one token left after it)."""
+    token: the prompt; at least one token, and at least one token left after it) and their length key."""
 
     split: torch.Tensor  # [b] prefix length of each row
     lengths: torch.Tensor  # [b]
     prefixes: list[tuple[int, ...]]  # distinct prefixes, in order of first appearance
     row_prefix: list[int]  # [b] index into prefixes
     rows: list[list[int]]  # [b] token lists (unpadded)
+    group_lengths: torch.Tensor  # [len(prefixes)] longest row of each group
 
 
-def _groups(data: TensorDict) -> _Groups:
+def _groups(data: TensorDict, length_key: LengthKey | None = None) -> _Groups:
     lengths = data["input_lengths"]
     trained = data["token_mask"] > 0
     first = torch.where(trained.any(dim=1), trained.float().argmax(dim=1), lengths)
     split = torch.minimum(first, lengths - 1).clamp(min=1)
     rows = [row[:n] for row, n in zip(data["input_ids"].tolist(), lengths.tolist())]
-    keys: dict[tuple[int, ...], int] = {}
-    row_prefix = [keys.setdefault(tuple(row[:n]), len(keys)) for row, n in zip(rows, split.tolist())]
-    return _Groups(split, lengths, list(keys), row_prefix, rows)
+    kinds = length_key(lengths).tolist() if length_key is not None else [None] * len(rows)
+    keys: dict[tuple, int] = {}
+    row_prefix = [
+        keys.setdefault((kind, tuple(row[:n])), len(keys))
+        for kind, row, n in zip(kinds, rows, split.tolist())
+    ]
+    index = torch.tensor(row_prefix, dtype=torch.long)
+    longest = torch.zeros(len(keys), dtype=lengths.dtype).scatter_reduce(0, index, lengths, "amax")
+    return _Groups(split, lengths, [prefix for _, prefix in keys], row_prefix, rows, longest)
 
 
 def plan_shared_prefix(
-    data: TensorDict, pad_id: int = 0, force: bool = False
+    data: TensorDict, pad_id: int = 0, force: bool = False, length_key: LengthKey | None = None
 ) -> SharedPrefix | GroupedRows | None:
     """The cheaper shared-prefix plan of a padded micro-batch (counting padded tokens): `GroupedRows`
     (one model call) when every group fits in `GROUPED_ROW_MAX` tokens, else `SharedPrefix` (two
     calls). None when the best drops less than `MIN_SHARED_SAVING` of the tokens. `force` returns a
-    `SharedPrefix` plan for any batch, even one where no prefix repeats."""
-    g = _groups(data)
+    `SharedPrefix` plan for any batch, even one where no prefix repeats. With `length_key`, rows share
+    a prefix only where their keys agree (a prompt then runs once per key)."""
+    g = _groups(data, length_key)
     if force:
         return _two_call_plan(g, pad_id, data["input_ids"].shape[1])
     b, t = data["input_ids"].shape
@@ -333,7 +350,7 @@ def _two_call_plan(g: _Groups, pad_id: int, t: int) -> SharedPrefix:
     index = torch.where((pos == split_) & (pos < len_), boundary, index)
     suffix_base = 1 + u * (p - 1) + b + torch.arange(b)[:, None] * (s - 1)
     index = torch.where((pos > split_) & (pos < len_), suffix_base + pos - split_ - 1, index)
-    return SharedPrefix(prefix_ids, prefix_lengths, row_prefix, split, suffix_ids, index)
+    return SharedPrefix(prefix_ids, prefix_lengths, row_prefix, split, suffix_ids, index, g.group_lengths)
 
 
 def _grouped_plan(g: _Groups, ids: torch.Tensor, pad_id: int, t: int) -> GroupedRows:
@@ -376,7 +393,7 @@ def _grouped_plan(g: _Groups, ids: torch.Tensor, pad_id: int, t: int) -> Grouped
     index = torch.zeros(b, t, dtype=torch.long)
     index = torch.where((pos >= 1) & (pos < split_), base + pos, index)
     index = torch.where((pos >= split_) & (pos < len_), base + pos + offset[:, None] - split_, index)
-    return GroupedRows(tokens, positions, mask, prev, index)
+    return GroupedRows(tokens, positions, mask, prev, index, g.group_lengths)
 
 
 def dummy_like(mb: MicroBatch) -> MicroBatch:

@@ -17,6 +17,7 @@ import torch
 from posttrain.logging import get_logger
 from posttrain.models.cpu_gemm import mkldnn_linear, onednn_available
 from posttrain.models.logprobs import token_logprobs
+from posttrain.models.rope import per_sequence_rope
 
 log = get_logger(__name__)
 
@@ -133,11 +134,15 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """[B, T] logprobs of right-padded `ids` (`valid` marks real tokens) under `logits / temperature`,
     in the trainer's convention (position 0 and padding hold 0), on the host in fp32. With a plain-head
-    `body` the logits come from `head`, the generation path's LM head."""
-    if body is not None:
-        hidden = body(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
-        logits = head(hidden.reshape(-1, hidden.shape[-1]), shared).view(*ids.shape, -1)
-    else:
-        logits = model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
+    `body` the logits come from `head`, the generation path's LM head. A rotary embedding whose
+    frequencies follow the sequence length gives each row those of its own length, as the trainer's
+    (models/rope.py), not those of the batch's width."""
+    lengths = valid.sum(dim=1)
+    with per_sequence_rope(model, lambda: lengths[:, None].expand_as(ids)):
+        if body is not None:
+            hidden = body(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
+            logits = head(hidden.reshape(-1, hidden.shape[-1]), shared).view(*ids.shape, -1)
+        else:
+            logits = model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits
     lp = token_logprobs(logits[:, :-1].float() / temperature, ids[:, 1:])
     return (torch.nn.functional.pad(lp, (1, 0)) * valid).cpu()

@@ -11,6 +11,11 @@ position ids and 4-D masks, so transformers builds no mask and reads no cache st
 plan needs the `past_key_values.update(...)` protocol (Llama, Qwen2, Mistral-style attention), as
 the generation engine does.
 
+Rotary embeddings whose frequencies follow the sequence length (`dynamic`, `longrope`): every call runs
+under models/rope.py's `per_sequence_rope`, told each token's sequence length (its row's, its packed
+segment's, its group's in a shared-prefix plan, the whole row's on a context-parallel rank), so a
+sequence takes the frequencies of a forward of it alone, whatever the layout.
+
 Model parallelism: logits from a tensor-parallel lm_head arrive as a DTensor sharded on the
 vocabulary and go through models/vocab_parallel.py (no rank ever holds [.., V]). A `SequenceSplit`
 (sequence or context parallelism) pads each call's sequence to the multiple the layout needs; under
@@ -29,6 +34,7 @@ import torch
 from posttrain.data.microbatch import GroupedRows, MicroBatch, SharedPrefix, block_causal_mask, segment_ids
 from posttrain.models.context_parallel import ContextParallel
 from posttrain.models.hf import with_cache
+from posttrain.models.rope import per_sequence_rope, segment_lengths
 from posttrain.models.vocab_parallel import VocabShard, token_logprobs
 
 __all__ = ["SequenceSplit", "microbatch_logprobs", "microbatch_topk", "token_logprobs"]
@@ -95,16 +101,35 @@ def model_logits(model, mb: MicroBatch) -> torch.Tensor:
     vocab-sharded DTensor under tensor parallelism)."""
     if mb.packed is not None:
         p = mb.packed
-        out = model(
-            input_ids=p.input_ids,
-            position_ids=p.position_ids,
-            attention_mask=_packed_mask(model, p.attention_mask),
-            use_cache=False,
-        )
+        with per_sequence_rope(
+            model, lambda: segment_lengths(p.lengths, p.input_ids.shape[1], p.input_ids.device)
+        ):
+            out = model(
+                input_ids=p.input_ids,
+                position_ids=p.position_ids,
+                attention_mask=_packed_mask(model, p.attention_mask),
+                use_cache=False,
+            )
         return out.logits
     # Rows are right-padded and attention is causal, so no real token ever sees padding: no mask is
     # needed, and without one transformers builds none and sdpa takes its causal fast path.
-    return model(input_ids=mb.data["input_ids"], use_cache=False).logits
+    ids = mb.data["input_ids"]
+    with per_sequence_rope(model, lambda: _row_lengths(mb, ids.shape[1])):
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _row_lengths(mb: MicroBatch, width: int) -> torch.Tensor:
+    """[b, width]: per token of a padded micro-batch's call, its row's length (models/rope.py)."""
+    lengths = mb.data["input_lengths"].to(mb.data["input_ids"].device)
+    return lengths[:, None].expand(-1, width)
+
+
+def _call_lengths(mb: MicroBatch, width: int) -> torch.Tensor:
+    """Per token of a call over the micro-batch padded to `width`, its sequence's length: [b, width]
+    padded, [1, width] packed."""
+    if mb.packed is not None:
+        return segment_lengths(mb.packed.lengths, width, mb.packed.input_ids.device)
+    return _row_lengths(mb, width)
 
 
 def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -129,12 +154,17 @@ def _split_call(model, mb: MicroBatch, split: SequenceSplit) -> tuple[torch.Tens
             mask = _packed_mask(model, block_causal_mask(mb.packed.lengths, total).to(ids.device))
         elif sliding_window(model) is not None:
             mask = _packed_mask(model, block_causal_mask([total], total).to(ids.device))
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
+        with per_sequence_rope(model, lambda: _call_lengths(mb, total)):
+            out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.logits, targets, None
     segments = segment_ids(mb.packed.lengths, total)[None] if mb.packed is not None else None
     cp = ContextParallel.build(split.cp_mesh.get_group(), total, segments, ids.device)
     local = cp.local
-    out = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False, posttrain_cp=cp)
+    # each rank's tokens take the frequencies of their whole sequence, not of the rank's chunk
+    with per_sequence_rope(model, lambda: _call_lengths(mb, total)[:, local]):
+        out = model(
+            input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False, posttrain_cp=cp
+        )
     return out.logits, targets[:, local], cp
 
 
@@ -210,26 +240,28 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
     causal = (ar_p[:, None] >= ar_p[None, :])[None] & (
         ar_p[None, None, :] < plan.prefix_lengths[:, None, None]
     )
-    logits_p = model(
-        input_ids=pre,
-        position_ids=ar_p[None, :].expand(u, p),
-        attention_mask=_mask(model, causal),
-        use_cache=True,
-        **with_cache(model, kv),
-    ).logits
+    # a prefix takes the rotary frequencies of its rows (models/rope.py: rows that share one agree)
+    with per_sequence_rope(model, lambda: plan.prefix_row_lengths[:, None].expand(u, p)):
+        logits_p = model(
+            input_ids=pre,
+            position_ids=ar_p[None, :].expand(u, p),
+            attention_mask=_mask(model, causal),
+            use_cache=True,
+            **with_cache(model, kv),
+        ).logits
     kv.rows = plan.row_prefix
     sees_prefix = (ar_p[None, None, :] < plan.split[:, None, None]).expand(b, s, p)
     causal = (ar_s[:, None] >= ar_s[None, :])[None].expand(b, s, s)
-    logits_s = model(
-        input_ids=suf,
-        # padding after a short suffix would count past the batch's width t: clamp it to t - 1 (real
-        # tokens are all below t), so absolute-position models stay in range and no position exceeds
-        # what the plain forward over the padded batch uses (dynamic rope scaling sees the same max)
-        position_ids=(plan.split[:, None] + ar_s[None, :]).clamp(max=plan.gather_index.shape[1] - 1),
-        attention_mask=_mask(model, torch.cat([sees_prefix, causal], dim=2)),
-        use_cache=True,
-        **with_cache(model, kv),
-    ).logits
+    with per_sequence_rope(model, lambda: plan.prefix_row_lengths[plan.row_prefix][:, None].expand(b, s)):
+        logits_s = model(
+            input_ids=suf,
+            # padding after a short suffix would count past the batch's width t: clamp it to t - 1 (real
+            # tokens are all below t), so absolute-position models stay in range
+            position_ids=(plan.split[:, None] + ar_s[None, :]).clamp(max=plan.gather_index.shape[1] - 1),
+            attention_mask=_mask(model, torch.cat([sees_prefix, causal], dim=2)),
+            use_cache=True,
+            **with_cache(model, kv),
+        ).logits
     (logits_p, shard), (logits_s, _) = VocabShard.of(logits_p), VocabShard.of(logits_s)
     logits_p, logits_s = _scaled(logits_p, temperature), _scaled(logits_s, temperature)
     lp_prefix = shard.logprobs(logits_p[:, :-1], pre[:, 1:])  # [u, p-1]
@@ -242,12 +274,13 @@ def _shared_prefix_logprobs(model, plan: SharedPrefix, temperature: float) -> to
 def _grouped_logprobs(model, plan: GroupedRows, temperature: float) -> torch.Tensor:
     """Logprobs [b, t] of a micro-batch run as one row per distinct prefix (one model call)."""
     ids = plan.input_ids
-    logits = model(
-        input_ids=ids,
-        position_ids=plan.position_ids,
-        attention_mask=_mask(model, plan.attention_mask),
-        use_cache=False,
-    ).logits
+    with per_sequence_rope(model, lambda: plan.row_lengths[:, None].expand_as(ids)):
+        logits = model(
+            input_ids=ids,
+            position_ids=plan.position_ids,
+            attention_mask=_mask(model, plan.attention_mask),
+            use_cache=False,
+        ).logits
     logits, shard = VocabShard.of(logits)
     logits = _scaled(logits, temperature).float()
     rows = torch.arange(ids.shape[0], device=ids.device)[:, None]

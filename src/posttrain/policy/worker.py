@@ -39,6 +39,7 @@ from posttrain.logging import get_logger
 from posttrain.models.hf import save_hf
 from posttrain.models.logprobs import microbatch_logprobs, microbatch_topk
 from posttrain.models.lora import adapters_disabled, is_adapter_key, merged_weights, scalings
+from posttrain.models.rope import frequency_key
 from posttrain.models.scalar_head import model_outputs, shares_prefix
 from posttrain.models.tokenizer import pad_token_id
 from posttrain.parallel import comms
@@ -133,6 +134,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             and not self._replays(batch)
             and shares_prefix(self.model, self.cfg.model.head),
             row_group=row_group,
+            length_key=frequency_key(self.model),
         )
 
     def _model_to_device(self) -> None:
@@ -159,7 +161,9 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         if any_two_calls:
             for mb in mbs:
                 if not isinstance(mb.shared, SharedPrefix) and mb.packed is None:
-                    mb.shared = plan_shared_prefix(mb.data, self._pad_id, force=True)
+                    mb.shared = plan_shared_prefix(
+                        mb.data, self._pad_id, force=True, length_key=frequency_key(self.model)
+                    )
         return mbs + [dummy_like(mbs[i % len(mbs)]) for i in range(count - len(mbs))]
 
     def _snapshot_weights(self) -> dict[str, torch.Tensor]:
