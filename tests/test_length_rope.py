@@ -317,3 +317,16 @@ def test_context_and_sequence_parallel_match_one_rank(rope_models):
         values, ids = ref_worker.get_topk_logits(batch, 3)
         torch.testing.assert_close(got["topk"][0], values[:rows], rtol=1e-5, atol=1e-5)
         assert torch.equal(got["topk"][1], ids[:rows]), where
+
+
+@pytest.mark.parametrize("rope", ["longrope", "dynamic"])
+def test_an_engine_model_past_the_switch_is_warned_about(rope, rope_models, caplog):
+    """Building an engine's model with such a rotary warns, naming the switch-over length: the engine's
+    sampled logprobs past it differ from the trainer's (the limit the previous test documents)."""
+    from posttrain.policy.config import ModelConfig
+    from posttrain.policy.model_init import engine_model
+
+    cfg = ModelConfig(name=rope_models[rope], tokenizer="tiny")
+    with caplog.at_level("WARNING"):
+        engine_model(cfg, None, TOK)
+    assert f"changes frequencies past {LIMIT} tokens" in caplog.text

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from posttrain.logging import get_logger
 from posttrain.models.cpu_gemm import apply_cpu_matmul
 from posttrain.models.families import attn_implementation, check_generation_support, check_trainable
 from posttrain.models.hf import (
@@ -19,6 +20,7 @@ from posttrain.models.hf import (
     tiny_config,
 )
 from posttrain.models.lora import LoraSettings, add_lora
+from posttrain.models.rope import length_rotaries
 from posttrain.models.scalar_head import (
     SCORE_HEAD,
     build_tiny_score_model,
@@ -31,6 +33,8 @@ from posttrain.parallel.dims import ParallelDims
 from posttrain.parallel.mesh import local_tensor
 from posttrain.parallel.parallelize import parallelize
 from posttrain.policy.config import ModelConfig, PolicyConfig
+
+log = get_logger(__name__)
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -62,6 +66,16 @@ def engine_model(cfg: ModelConfig, lora: LoraSettings | None, tokenizer):
         raise ValueError("an engine generates with a causal LM: policy.model.head must be 'lm', not 'score'")
     check_generation_support(model_config(cfg, tokenizer))  # before weights load
     model = load_full_model(cfg, tokenizer)
+    for rope in length_rotaries(model):
+        log.warning(
+            "%s: its rotary embedding (%s) changes frequencies past %d tokens. The trainer scores every "
+            "sequence at its own length; the engine samples a sequence past that length with the step's "
+            "frequencies and keeps its cached keys' rotation, so its sampled logprobs there differ from "
+            "the trainer's (importance weights correct for it; keep completions under the length to avoid it)",
+            cfg.name,
+            rope.module.rope_type,
+            rope.limit,
+        )
     if lora is not None and lora.engine == "adapters":
         model = add_lora(model, lora)
     return apply_cpu_matmul(model, cfg.cpu_matmul)  # after LoRA: its adapters' layers too, as the trainer's
