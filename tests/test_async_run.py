@@ -57,7 +57,9 @@ from posttrain.tasks.rewards import RewardError
 
 
 def test_settings_of_the_synchronous_step_are_refused_with_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="grpo.max_num_steps is not used .* set async_grpo.num_steps"):
+    with pytest.raises(
+        ConfigError, match="grpo.max_num_steps' cannot be set: it is not used .* set async_grpo.num_steps"
+    ):
         small_cfg(tmp_path, "grpo.max_num_steps=7")
     cfg = small_cfg(tmp_path)
     assert cfg.async_grpo.loss.use_importance_sampling_correction  # the async default loss, IS on
