@@ -253,3 +253,81 @@ def test_an_overlong_buffer_as_long_as_the_completions_is_refused_at_load():
         assert (ok.grpo.grpo if prefix else ok.grpo).overlong_buffer_length == 7
     unused = load_config(GRPOConfig, None, ["sampling.max_new_tokens=8", "grpo.overlong_buffer_length=32"])
     assert not unused.grpo.overlong_reward_shaping  # no shaping, no penalty: accepted
+
+
+def test_checkpoints_recorded_before_the_temperature_tie_resume():
+    """A distillation or PPO checkpoint written before the tie recorded its teacher's or critic's
+    logprob_temperature as 1.0 (the old default); the resume view records the value a policy scores
+    at, so such a checkpoint resumes where nothing changed."""
+    import copy
+
+    from posttrain.algorithms.checkpointing import check_resume_config
+    from posttrain.algorithms.distill import DistillConfig
+    from posttrain.algorithms.grpo import RESUME_MAY_CHANGE, _resume_view
+    from posttrain.algorithms.ppo import PPOConfig
+    from posttrain.algorithms.runs import field_at_default
+
+    for cls, overrides, (section, key) in (
+        (DistillConfig, [], ("distill", "teacher")),
+        (PPOConfig, ["ppo.critic.model.head=score"], ("ppo", "critic")),
+    ):
+        cfg = load_config(cls, None, overrides)
+        view = _resume_view(cfg)
+        saved = copy.deepcopy(view)
+        saved[section][key]["logprob_temperature"] = 1.0
+        check_resume_config(saved, view, RESUME_MAY_CHANGE, lambda k, cfg=cfg: field_at_default(cfg, k))
+
+
+def test_an_older_async_config_yaml_with_every_key_loads():
+    """An older version's config.yaml of a grpo-async run lists every key, the unused ones at their
+    defaults: it loads; an unused key written at another value is refused."""
+    from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
+    from posttrain.config import build_config
+
+    written = AsyncGRPORunConfig().model_dump(mode="json")
+    assert written["grpo"]["max_num_steps"] == 50
+    build_config(AsyncGRPORunConfig, written)
+    written["grpo"]["max_num_steps"] = 7
+    with pytest.raises(ConfigError, match="'grpo.max_num_steps' cannot be set"):
+        build_config(AsyncGRPORunConfig, written)
+
+
+def test_the_demos_grpo_stage_is_checked_on_the_environment_it_runs():
+    """The demo's GRPO stage runs sft.env: its checks (routing replay with an environment) apply at load,
+    before the SFT stage trains."""
+    from posttrain.algorithms.demo import DemoConfig
+
+    with pytest.raises(ConfigError, match=r"GRPO stage .*env \(calculator\) with policy.moe.routing_replay"):
+        load_config(DemoConfig, None, ["grpo.policy.moe.routing_replay=rollout", "sft.env.name=calculator"])
+
+
+def test_a_run_refuses_a_temperature_changed_after_the_config_was_built(tmp_path):
+    """The tie is made when the config is built; a field changed later, or a policy built for another
+    temperature passed in, is refused before the run starts anything."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.grpo import GRPOConfig, setup
+
+    cfg = load_config(GRPOConfig, None, [f"output_dir={tmp_path}"])
+    cfg.sampling.temperature = 0.5
+    with pytest.raises(
+        ValueError, match=r"policy scores tokens at temperature 1.0 but sampling.temperature=0.5"
+    ):
+        setup(cfg, None)
+    cfg = load_config(GRPOConfig, None, [f"output_dir={tmp_path}", "sampling.temperature=0.5"])
+    other = SimpleNamespace(cfg=PolicyConfig())
+    with pytest.raises(ValueError, match="the policy passed in scores tokens at temperature 1.0"):
+        setup(cfg, other)
+    assert not any(tmp_path.iterdir())
+
+
+def test_mapping_overrides_merge_with_earlier_ones():
+    """`a.b=X a={c: Y}` keeps X, as `a={c: Y} a.b=X` does; the file's other keys stay."""
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    for overrides in (
+        ["policy.optimizer.weight_decay=0.5", "policy.optimizer={name: torch.optim.Adam}"],
+        ["policy.optimizer={name: torch.optim.Adam}", "policy.optimizer.weight_decay=0.5"],
+    ):
+        opt = load_config(GRPOConfig, None, ["policy.optimizer.lr=3e-4", *overrides]).policy.optimizer
+        assert (opt.name, opt.weight_decay, opt.lr) == ("torch.optim.Adam", 0.5, 3e-4)

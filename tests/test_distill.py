@@ -235,7 +235,9 @@ def test_the_teacher_scores_at_the_students_temperature(tmp_path):
     finally:
         student.shutdown()
         teacher.shutdown()
-    with pytest.raises(ValueError, match="distill.teacher.logprob_temperature=1.0 but policy"):
+    with pytest.raises(
+        ValueError, match="distill.teacher.logprob_temperature=1.0 but sampling.temperature=0.6"
+    ):
         distill_cfg(tmp_path, "sampling.temperature=0.6", "distill.teacher.logprob_temperature=1.0")
     with pytest.raises(ValueError, match="set distill.teacher.moe.routing_replay=off"):
         distill_cfg(tmp_path, "distill.teacher.moe.routing_replay=rollout")

@@ -111,23 +111,27 @@ class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.q_proj = torch.nn.Linear(4, 4)
-        self.gate = torch.nn.Linear(4, 2)  # a router that is a linear layer
+        self.gate = torch.nn.Linear(4, 2)  # a router that is a linear layer (transformers 4)
         self.up = torch.nn.Linear(4, 4)
         self.mix = torch.nn.Module()
         self.mix.up = torch.nn.LayerNorm(4)  # not linear, named like one that is
 
 
-def test_all_linear_leaves_routers_and_the_lm_head_frozen_and_names_layers_exactly():
+def test_all_linear_is_every_linear_layer_but_the_lm_head_named_exactly():
+    """As peft's all-linear among linear layers: a router that is an nn.Linear (transformers 4's MoE
+    families) is adapted, the LM head and excluded modules are not, a non-linear module named like a
+    linear one is not."""
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([_Block(), _Block()])
     model.lm_head = torch.nn.Linear(4, 8)
     model.score = torch.nn.Linear(4, 1)
     assert all_linear_targets(model, exclude=("score",)) == [
+        "gate",
         "layers.0.up",
         "layers.1.up",
         "q_proj",
     ]
     add_lora(model, LoraSettings(**LORA), exclude=("score",))
-    assert sorted(lora_layers(model)) == ["layers.0.q_proj", "layers.0.up", "layers.1.q_proj", "layers.1.up"]
-    with pytest.raises(ValueError, match="no linear layer to adapt besides its LM head and routers"):
+    assert sorted(lora_layers(model)) == [f"layers.{i}.{n}" for i in (0, 1) for n in ("gate", "q_proj", "up")]
+    with pytest.raises(ValueError, match="no linear layer to adapt besides its LM head;"):
         all_linear_targets(torch.nn.ModuleDict({"lm_head": torch.nn.Linear(2, 2)}))

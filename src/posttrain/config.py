@@ -267,7 +267,11 @@ def apply_overrides(
         key, _, raw = item.partition("=")
         parts = key.strip().split(".")
         _section(data, parts[:-1], item, create=False)
-        _section(update, parts[:-1], item, create=True)[parts[-1]] = _parse_scalar(raw)  # type: ignore[index]
+        target = _section(update, parts[:-1], item, create=True)
+        value, earlier = _parse_scalar(raw), target.get(parts[-1])  # type: ignore[union-attr]
+        if isinstance(earlier, dict) and isinstance(value, dict):  # an earlier override of the section
+            value = deep_merge(earlier, value)
+        target[parts[-1]] = value  # type: ignore[index]
     merged = deep_merge(data, update, model)
     data.clear()
     data.update(merged)
@@ -312,27 +316,35 @@ def deep_merge(
     return out
 
 
-def _written(data: dict[str, Any], path: str) -> bool:
-    """Whether the nested dict `data` has the dotted key `path`."""
+_UNWRITTEN = object()
+
+
+def _written(data: dict[str, Any], path: str) -> Any:
+    """The value of the dotted key `path` in the nested dict `data`, `_UNWRITTEN` where it has none."""
     node: Any = data
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _UNWRITTEN
         node = node[part]
-    return True
+    return node
 
 
 def build_config(cls: type[C], data: dict[str, Any]) -> C:
     """Validate a nested dict into `cls` on top of its defaults (so a nested override keeps the other
     defaults of its section), raising ConfigError with fix-it messages. A key of `cls.refused_keys`
-    in `data` is refused."""
-    refused = [f"'{k}' cannot be set: {why}" for k, why in cls.refused_keys.items() if _written(data, k)]
-    if refused:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(refused))
+    in `data` is refused unless it holds its default (a config.yaml written by an older version lists
+    every key)."""
     try:
         defaults = cls().model_dump(mode="json")
     except ValidationError:  # a config with required fields has no complete default
         defaults = {}
+    refused = [
+        f"'{k}' cannot be set: {why}"
+        for k, why in cls.refused_keys.items()
+        if _written(data, k) is not _UNWRITTEN and _written(data, k) != _written(defaults, k)
+    ]
+    if refused:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(refused))
     try:
         return cls.model_validate(deep_merge(defaults, data, cls))
     except ValidationError as err:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
 
 from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 from posttrain.algorithms.sft import SFTConfig, run_sft
@@ -101,6 +101,17 @@ class DemoConfig(Config):
         "the demo 3x slower (benchmarks/RESULTS.md)",
     )
 
+    @model_validator(mode="after")
+    def _grpo_stage_as_it_runs(self) -> DemoConfig:
+        """The GRPO stage's checks on the task and environment it runs (sft's): e.g. MoE routing replay
+        with an environment is refused at load, not after the SFT stage."""
+        try:
+            type(self.grpo).model_validate({**dict(self.grpo), "task": self.sft.task, "env": self.sft.env})
+        except ValidationError as err:
+            problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+            raise ValueError(f"the GRPO stage (grpo.*, on sft.task and sft.env): {problems}") from None
+        return self
+
 
 def run_demo(cfg: DemoConfig) -> dict[str, float]:
     """Returns accuracy after SFT, after GRPO, and the gain in points. With `sft.env` set, both stages
@@ -116,9 +127,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})
     policy = cfg.grpo.policy.model_copy(update={"model": model})
-    grpo = cfg.grpo.model_copy(
-        update={"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task, "env": cfg.sft.env}
-    )
+    # validated, not copied: the stage's checks (e.g. MoE routing replay with an environment) see the
+    # task and environment it runs
+    stage = {"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task, "env": cfg.sft.env}
+    grpo = type(cfg.grpo).model_validate({**dict(cfg.grpo), **stage})
     run_grpo(grpo)
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     before, after = records[0]["val/accuracy"], records[-1]["val/accuracy"]

@@ -37,8 +37,7 @@ class DistillConfig(grpo.GRPOConfig):
     @model_validator(mode="after")
     def _check_distill(self) -> DistillConfig:
         refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
-        self.distill.check_teacher_named(self.policy)
-        distill = self.distill.at_temperature(self.sampling.temperature)
+        distill = self.distill.for_student(self.policy, self.sampling.temperature)
         if distill is not self.distill:
             self.distill = distill
         return self

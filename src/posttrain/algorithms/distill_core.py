@@ -68,25 +68,22 @@ class DistillSettings(Config):
             )
         return self
 
-    def check_teacher_named(self, student: PolicyConfig) -> None:
-        """Refuse a run that distils a student of its own into the default teacher (a random tiny model):
-        the teacher section was most likely forgotten."""
+    def for_student(self, student: PolicyConfig, temperature: float) -> DistillSettings:
+        """These settings for a run of `student` sampling at `temperature` (self when nothing changes):
+        a student of its own with the default teacher (a random tiny model: the section was most likely
+        forgotten) is refused; the teacher scores at the sampling temperature (an unset
+        distill.teacher.logprob_temperature takes it, another value is refused): the reverse KL compares
+        the two models' distributions at one temperature, as TRL's GKD divides both models' logits by one."""
         if self.teacher.model.name == "tiny" and student.model.name != "tiny":
             raise ValueError(
                 f"distill.teacher.model.name is unset: the student is {student.model.name!r} and the teacher "
                 "would be a random tiny model. Set distill.teacher.model.name to the teacher's hub name or "
                 "directory (it must share the student's tokenizer)"
             )
-
-    def at_temperature(self, temperature: float) -> DistillSettings:
-        """These settings with the teacher scoring at the student's `temperature` (an unset
-        distill.teacher.logprob_temperature takes it, another value is refused): the reverse KL compares
-        the two models' distributions at one temperature, as TRL's GKD divides both models' logits by
-        one. Self when it already does."""
         if self.teacher.scoring_temperature == temperature:
             return self
         teacher = self.teacher.scoring_at(
-            temperature, "distill.teacher.logprob_temperature", "policy.logprob_temperature"
+            temperature, "distill.teacher.logprob_temperature", "sampling.temperature"
         )
         return self.model_copy(update={"teacher": teacher})
 

@@ -31,6 +31,7 @@ from posttrain.algorithms.runs import (
     interrupted,
     optimizer_view,
     resume,
+    resume_dump,
     start_history,
     start_run,
 )
@@ -286,6 +287,7 @@ def setup(cfg: GRPOConfig, policy: Policy | None) -> Run:
     problem = batch_size_problem(cfg)  # also checked when the config is built; a model_copy skips that
     if problem:
         raise ValueError(problem)
+    cfg.check_scoring(policy.cfg if policy is not None else None)
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task = parts.policy, parts.tokenizer, parts.task
     check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
@@ -530,7 +532,7 @@ def validate(run: Run) -> dict[str, float]:
 def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
     """The settings a resumed run must share: RESUME_KEYS, plus any section a subclass of the config adds
     (distill.py's teacher), plus the policy's optimizer view."""
-    dumped = cfg.model_dump(mode="json")
+    dumped = resume_dump(cfg)
     added = [k for k in type(cfg).model_fields if k not in GRPOConfig.model_fields]
     return {k: dumped[k] for k in (*RESUME_KEYS, *added)} | {"policy": optimizer_view(cfg.policy)}
 

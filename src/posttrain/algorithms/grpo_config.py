@@ -125,6 +125,20 @@ class GRPORunSections(Config):
             )
         return self
 
+    def check_scoring(self, policy_cfg: PolicyConfig | None) -> None:
+        """Before a run starts: the policy (and `policy_cfg`, that of a policy passed in) scores at the
+        sampling temperature. The tie is made when the config is built; a field changed afterwards
+        (`cfg.sampling.temperature = ...`, a `model_copy(update=...)`) is not validated again."""
+        drawn = self.sampling.temperature
+        for what, cfg in (("policy", self.policy), ("the policy passed in", policy_cfg)):
+            if cfg is not None and cfg.scoring_temperature != drawn:
+                raise ValueError(
+                    f"{what} scores tokens at temperature {cfg.scoring_temperature} but sampling.temperature="
+                    f"{drawn}: the run config was changed after it was built, or a policy built for another "
+                    "temperature was passed in. Build the config again from its fields (model_validate) "
+                    f"after changing sampling.temperature, or use a policy whose logprob_temperature is {drawn}"
+                )
+
     @model_validator(mode="after")
     def _env_without_routing_replay(self) -> GRPORunSections:
         """A trajectory of an environment keeps no routing (its replies are sampled turn by turn): the

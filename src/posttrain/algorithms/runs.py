@@ -182,6 +182,24 @@ def field_at_default(config: Config, key: str) -> bool:
     return getattr(section, name) == field.get_default(call_default_factory=True)
 
 
+def resume_dump(config: Config) -> dict[str, Any]:
+    """`config` as JSON for a resume check, every policy config's `logprob_temperature` as the value it
+    scores at (`scoring_temperature`): an unset one dumps as None and follows the sampling temperature,
+    and checkpoints written before the tie recorded the value in use (1.0 by default)."""
+    dumped = config.model_dump(mode="json")
+    _record_scoring(config, dumped)
+    return dumped
+
+
+def _record_scoring(config: Any, dumped: Any) -> None:
+    if isinstance(config, PolicyConfig) and isinstance(dumped, dict):
+        dumped["logprob_temperature"] = config.scoring_temperature
+    if isinstance(config, Config) and isinstance(dumped, dict):
+        for name in type(config).model_fields:
+            if name in dumped:
+                _record_scoring(getattr(config, name), dumped[name])
+
+
 def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, Any]:
     """The policy settings a resumed run shares with its checkpoint: the optimizer's and the schedule's
     (the checkpoint restores their state; list `policy.optimizer.lr` in `may_change`: the worker applies

@@ -38,7 +38,6 @@ from posttrain.config import Config
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 ALL_LINEAR = "all-linear"
 _NOT_TARGETS = ("lm_head", "embed_tokens")
-_ROUTERS = ("gate", "router")  # the names MoE families give a router that is an nn.Linear
 
 
 class LoraSettings(Config):
@@ -50,9 +49,10 @@ class LoraSettings(Config):
     target_modules: str | list[str] = Field(
         ALL_LINEAR,
         description="names of the linear layers to adapt (e.g. [q_proj, v_proj]; one name may be given "
-        "bare), each matching at least one layer; 'all-linear' (every nn.Linear layer of the decoder: "
-        "not the LM head, not an MoE router, and not MoE experts, which transformers fuses into 3-D "
-        "tensors, so on Qwen3-MoE, Mixtral and OLMoE the attention projections); or a regular "
+        "bare), each matching at least one layer; 'all-linear' (every nn.Linear layer but the LM head, "
+        "as peft's all-linear on linear layers; transformers 5 fuses MoE experts into 3-D tensors and "
+        "makes routers no linear layers, so on Qwen3-MoE, Mixtral and OLMoE the attention projections); "
+        "or a regular "
         "expression over full module paths, as peft reads one (e.g. '.*layers\\.0\\..*_proj')",
     )
     init: Literal["default", "gaussian"] = Field(
@@ -137,16 +137,15 @@ def add_lora(
 
 def all_linear_targets(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> list[str]:
     """What `all-linear` adapts in `model`, as peft target names: every `nn.Linear` (or GPT-2 `Conv1D`)
-    except the output embeddings (LM head), the embedding, MoE routers and the modules named in
-    `exclude`. Fused MoE experts are 3-D tensors, no linear layers. Routers stay frozen: their weight
-    decides which experts run (routing replay pins those choices to the engine's and trains a router
-    through its gate weights alone), and in transformers 5 a router is no linear layer (`*TopKRouter`)
-    that a linear adapter could merge into; one that is an `nn.Linear` is known by its name (gate,
-    router)."""
+    except the output embeddings (LM head), the embedding and the modules named in `exclude`: the
+    layers peft's own all-linear adapts among linear layers (so a router that is an `nn.Linear`, as in
+    transformers 4, is adapted as peft adapted it). In transformers 5 fused MoE experts are 3-D tensors and
+    a router is a `*TopKRouter`, no linear layers: peft would reach them through `target_parameters`,
+    which posttrain does not merge, sync or export."""
     from transformers.pytorch_utils import Conv1D
 
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    skip = set(_NOT_TARGETS) | set(_ROUTERS) | set(exclude)
+    skip = set(_NOT_TARGETS) | set(exclude)
     chosen = {
         n
         for n, m in model.named_modules()
@@ -155,7 +154,7 @@ def all_linear_targets(model: torch.nn.Module, exclude: tuple[str, ...] = ()) ->
     if not chosen:
         raise ValueError(
             "policy.lora.target_modules=all-linear: this model has no linear layer to adapt besides its "
-            "LM head and routers; name the modules to adapt (policy.lora.target_modules)"
+            "LM head; name the modules to adapt (policy.lora.target_modules)"
         )
     return target_names(chosen, {n for n, _ in model.named_modules()})
 
@@ -177,7 +176,10 @@ def _refuse_parameter_targets(model: torch.nn.Module, targets: str | list[str]) 
     """Refuse adapters on parameters (peft's `ParamWrapper`, from `target_parameters`: peft maps targets
     such as an MoE family's down_proj or gate onto its fused experts and router), which posttrain does not
     merge, sync or export."""
-    from peft.tuners.lora import ParamWrapper
+    try:
+        from peft.tuners.lora import ParamWrapper
+    except ImportError:  # peft < 0.17 has no target_parameters: nothing can be wrapped so
+        return
 
     wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, ParamWrapper))
     if wrapped:

@@ -136,10 +136,7 @@ def _find(model: torch.nn.Module) -> tuple[LengthRope, ...]:
                 "sequence length; posttrain gives each sequence its own frequencies only for a single "
                 "rope type per module. Use a model whose rope_scaling is not dynamic/longrope"
             )
-        if (
-            _is_length_dependent(rope_type)
-            and getattr(type(m).forward, "__code__", None) is _decorated_code()
-        ):
+        if _is_length_dependent(rope_type) and _undecorated(type(m).forward) is not None:
             found.append(LengthRope.of(m))
     if not found:
         raise ValueError(
@@ -149,6 +146,18 @@ def _find(model: torch.nn.Module) -> tuple[LengthRope, ...]:
             "each sequence its own frequencies, and its logprobs would follow the micro-batch layout"
         )
     return tuple(found)
+
+
+def _undecorated(forward: Callable) -> Callable | None:
+    """The function under transformers' `dynamic_rope_update` in `forward`'s chain of wrappers (it is
+    the outermost in transformers 5; transformers 4 puts `torch.no_grad()` around it), or None when the
+    chain holds no such decorator."""
+    f, seen = forward, 0
+    while f is not None and seen < 8:
+        if getattr(f, "__code__", None) is _decorated_code():
+            return f.__wrapped__
+        f, seen = getattr(f, "__wrapped__", None), seen + 1
+    return None
 
 
 def frequency_key(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -175,7 +184,11 @@ def segment_lengths(lengths: list[int], width: int, device: torch.device) -> tor
 def _per_sequence_forward(rope: LengthRope, lengths: torch.Tensor):
     """A forward for `rope.module` that gives token j the cos/sin of a sequence of `lengths[.., j]`."""
     module = rope.module
-    raw = type(module).forward.__wrapped__  # the forward without transformers' frequency update
+    undecorated = _undecorated(type(module).forward)  # without transformers' frequency update
+
+    def raw(*args):
+        with torch.no_grad():  # as the decorated forward runs (cos/sin take no gradient)
+            return undecorated(*args)
 
     def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.shape[-1] != lengths.shape[-1]:

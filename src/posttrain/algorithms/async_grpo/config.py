@@ -186,8 +186,7 @@ class AsyncGRPORunConfig(GRPORunSections):
         refuse_overlong_buffer(self.grpo, self.sampling.max_new_tokens)
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
-            self.distill.check_teacher_named(self.policy)
-            distill = self.distill.at_temperature(self.sampling.temperature)
+            distill = self.distill.for_student(self.policy, self.sampling.temperature)
             if distill is not self.distill:
                 self.distill = distill
         return self

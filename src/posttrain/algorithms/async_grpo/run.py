@@ -54,6 +54,7 @@ from posttrain.algorithms.runs import (
     interrupted,
     optimizer_view,
     resume,
+    resume_dump,
     start_history,
     start_run,
 )
@@ -199,7 +200,7 @@ def distill_shape(policy: Policy, teacher: TeacherPolicy, settings: DistillSetti
 
 
 def _resume_view(cfg: AsyncGRPORunConfig) -> dict[str, Any]:
-    dumped = cfg.model_dump(mode="json")
+    dumped = resume_dump(cfg)
     a = dumped["async_grpo"]
     keys = (
         "max_staleness",
@@ -257,6 +258,7 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
     weights, controller. The run's files (config, metrics) are `run_async_grpo`'s."""
+    cfg.check_scoring(policy.cfg if policy is not None else None)
     parts = start_run(cfg.output_dir, cfg.grpo.seed, cfg.policy, cfg.task, policy, cfg.env)
     policy, tokenizer, task, own_policy = parts.policy, parts.tokenizer, parts.task, parts.own_policy
     samples = cfg.async_grpo.target_prompt_groups_per_step * cfg.grpo.num_generations_per_prompt
