@@ -15,6 +15,7 @@ from posttrain.envs.base import Environment, EnvLimits, EnvReset, EnvSample, Env
 from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.calculator import CalculatorEnvConfig, calc
 from posttrain.envs.guess import GuessEnvConfig
+from posttrain.envs.sandbox import SandboxUnavailableError
 from posttrain.envs.tools import Tool, ToolEnvironment, parse_hermes
 from posttrain.generation.params import SamplingParams
 from posttrain.models.tokenizer import build_chat_tokenizer
@@ -191,6 +192,33 @@ def test_environment_exception_is_counted_never_rewarded():
     batch, _ = samples_to_batch([traj, ok], rewards, failed, torch.tensor([0, 0]), GroupConfig(), pad_id=0)
     assert batch["sample_mask"].tolist() == [0.0, 1.0]
     assert batch["advantages"][0].abs().sum() == 0  # the failed one enters no advantage
+
+
+class NoSandbox(Environment):
+    """An environment whose sandbox this machine cannot run as configured (raised in reset or step)."""
+
+    def reset(self):
+        if self.sample.data["where"] == "reset":
+            raise SandboxUnavailableError("the sandbox could not set pids.max: Permission denied")
+        return [{"role": "user", "content": "hi"}]
+
+    def step(self, message):
+        raise SandboxUnavailableError("the sandbox could not bound the program's processes: EACCES")
+
+
+class AsyncNoSandbox(NoSandbox):
+    async def step(self, message):
+        super().step(message)
+
+
+@pytest.mark.parametrize("where", ["reset", "step", "async step"])
+def test_a_sandbox_this_machine_cannot_run_stops_the_run_instead_of_failing_every_trajectory(where):
+    tok = build_chat_tokenizer()
+    engine = ScriptedEngine(tok, lambda prompt, turn: "hello" + END)
+    spec = suite(AsyncNoSandbox if where == "async step" else NoSandbox)
+    sample = EnvSample(0, {"where": where.split()[-1]})
+    with pytest.raises(SandboxUnavailableError, match="Permission denied|EACCES"):
+        asyncio.run(run_group(engine, tok, spec, sample, 2, SAMPLING, seed=0))
 
 
 class Answers(Environment):

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from posttrain.envs import sandbox
-from posttrain.envs.base import AssistantMessage, EnvLimits, EnvStep
+from posttrain.envs.base import AssistantMessage, EnvLimits, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite, build_env
 from posttrain.envs.code import (
     CodeEnvConfig,
@@ -269,6 +270,83 @@ def test_max_processes_without_a_pids_cgroup_is_refused_with_the_fix(monkeypatch
     assert run_python("print(1)", FAST).stdout == "1\n"
 
 
+@pytest.fixture(params=["this machine's", "stand-in"])
+def pids_parent(request, monkeypatch, tmp_path) -> Path:
+    """Where runs make their pids cgroups: this machine's pids cgroup (where this process may manage
+    one), or a plain directory standing in for one (its probe cgroups get a pids.max file; cgroups
+    are removed as the directories they then are)."""
+    if request.param == "this machine's":
+        if isinstance(PIDS_CGROUP, str):
+            pytest.skip(PIDS_CGROUP)
+        return PIDS_CGROUP
+    mkdtemp = tempfile.mkdtemp
+
+    def make(**kw):
+        made = mkdtemp(**kw)
+        if kw.get("prefix") == "posttrain-probe-":
+            open(os.path.join(made, "pids.max"), "w").close()
+        return made
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", make)
+    monkeypatch.setattr(sandbox, "_remove_cgroup", shutil.rmtree)
+    return tmp_path
+
+
+def failing_write(monkeypatch, name: str) -> None:
+    """Writing a file called `name` fails as it does without the permission (EACCES)."""
+    write_text = Path.write_text
+
+    def write(self, *args, **kwargs):
+        if self.name == name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write)
+
+
+def cgroups_left(parent: Path) -> list[str]:
+    return [d for d in os.listdir(parent) if d.startswith(("posttrain-probe-", "posttrain-sandbox-"))]
+
+
+@pytest.mark.parametrize(
+    "name, why", [("pids.max", "cannot set pids.max"), ("cgroup.procs", "cannot move a process into")]
+)
+def test_the_pids_probe_sets_up_and_joins_a_cgroup_and_refuses_one_it_cannot(
+    pids_parent, monkeypatch, name, why
+):
+    assert sandbox._probe_pids(pids_parent) is None and not cgroups_left(pids_parent)
+    failing_write(monkeypatch, name)
+    problem = sandbox._probe_pids(pids_parent)
+    assert problem is not None and why in problem and "Permission denied" in problem
+    assert not cgroups_left(pids_parent)  # the probe cleans up after itself, also when it fails
+    if pids_parent == PIDS_CGROUP:  # the whole probe, from /proc: refused with the reason and the fix
+        monkeypatch.setattr(sandbox, "_pids_parent", sandbox._pids_parent.__wrapped__)
+        with pytest.raises(SandboxUnavailableError, match=f"max_processes=4 needs.*{why}.*Permission denied"):
+            check_sandbox(FAST.model_copy(update={"max_processes": 4}))
+        assert not cgroups_left(pids_parent)
+
+
+def test_a_run_that_cannot_set_up_its_pids_cgroup_raises_and_leaves_no_cgroup(pids_parent, monkeypatch):
+    monkeypatch.setattr(sandbox, "_pids_parent", lambda: pids_parent)
+    failing_write(monkeypatch, "pids.max")
+    with pytest.raises(SandboxUnavailableError, match="could not set pids.max.*Permission denied.*unset"):
+        run_python("print(1)", FAST.model_copy(update={"max_processes": 4}))
+    assert not cgroups_left(pids_parent)
+
+
+def test_a_runs_cgroup_is_emptied_before_its_directory_is_removed(pids_parent, monkeypatch):
+    monkeypatch.setattr(sandbox, "_pids_parent", lambda: pids_parent)
+    done = []
+    remove_cgroup, remove_tree = sandbox._remove_cgroup, sandbox._remove_tree
+    monkeypatch.setattr(
+        sandbox, "_remove_cgroup", lambda group: done.append("cgroup") or remove_cgroup(group)
+    )
+    monkeypatch.setattr(sandbox, "_remove_tree", lambda path: done.append("directory") or remove_tree(path))
+    r = run_python("print(1)", FAST.model_copy(update={"max_processes": 4}))
+    assert r.ok and r.stdout == "1\n" and done == ["cgroup", "directory"]
+    assert not cgroups_left(pids_parent)
+
+
 def test_cancelling_a_run_kills_it_and_removes_its_directory(monkeypatch):
     made = []
     mkdtemp = tempfile.mkdtemp
@@ -418,6 +496,74 @@ def test_replies_without_code_and_simple_reward_hacks_pass_nothing():
     cut = CodeEnvConfig(sandbox=FAST, num_problems=40, max_attempts=2)
     env = CodeEnvironment(sample, cut)
     assert "No ```python code block" in step(env, "no code").messages[0]["content"]
+
+
+def code_verdict(code: str, test: str):
+    sample = EnvSample(0, {"prompt": "", "solution": "", "tests": [test]})
+    return asyncio.run(CodeEnvironment(sample, code_cfg()).check(f"```python\n{code}\n```"))
+
+
+# (assert, solution, what Python's == says): the verdict is Python's, whatever the value's type
+EQUALITY = {
+    "1 == True": ("assert f() == True", "def f(): return 1", True),
+    "2.0 == 2": ("assert f() == 2", "def f(): return 2.0", True),
+    "-0.0 == 0.0": ("assert f() == 0.0", "def f(): return -0.0", True),
+    "inf": ("assert f() == 1e999", "def f(): return float('inf')", True),
+    "dict order": ("assert f() == {'a': 1, 'b': 2}", "def f(): return {'b': 2, 'a': 1}", True),
+    "frozenset == set": ("assert f() == {1, 2}", "def f(): return frozenset([2, 1])", True),
+    "nested": (
+        "assert f() == [None, b'x', (2.5, -3j), {(1, 'a'): [set()]}]",
+        "def f(): return [None, b'x', (2.5, complex(0, -3)), {(1, 'a'): [set()]}]",
+        True,
+    ),
+    "tuple != list": ("assert f() == (1, 2)", "def f(): return [1, 2]", False),
+    "list != tuple": ("assert f() == [1, 2]", "def f(): return (1, 2)", False),
+    "int key != str key": ("assert f() == {1: 'a'}", "def f(): return {'1': 'a'}", False),
+    "nan": ("assert f() == 0.0", "def f(): return float('nan')", False),
+}
+
+
+@pytest.mark.parametrize("case", EQUALITY.values(), ids=EQUALITY.keys())
+def test_a_tests_verdict_is_pythons_equality(case):
+    test, code, python_says = case
+    verdict = code_verdict(code, test)
+    assert (verdict.passed == 1) == python_says, verdict.feedback
+
+
+def test_a_set_passes_its_test_in_every_process():
+    # each sandboxed process has its own hash seed, so its own order of a set's elements
+    words = ["apple", "pear", "fig", "kiwi", "plum", "lime", "date", "sloe"]
+    test = f"assert f() == {set(words)!r}"
+    assert all(code_verdict(f"def f(): return set({words!r})", test).passed == 1 for _ in range(4))
+
+
+EQ_TRUE = "class A:\n    def __eq__(self, other):\n        return True\n"
+# (solution, assert): each value equals the expected one by its own __eq__, which is not Python's verdict
+NOT_PLAIN = {
+    "__eq__ always True": (EQ_TRUE + "def f(): return A()", "assert f() == 5"),
+    "in a list": (EQ_TRUE + "def f(): return [5, A()]", "assert f() == [5, 5]"),
+    "int subclass": (
+        "class I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def f(): return I(3)",
+        "assert f() == 5",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NOT_PLAIN.values(), ids=NOT_PLAIN.keys())
+def test_a_value_not_built_of_plain_values_fails_with_the_reason(case):
+    code, test = case
+    verdict = code_verdict(code, test)
+    assert verdict.passed == 0 and "not a value built only of None, bool, int" in verdict.feedback
+
+
+def test_a_value_too_large_or_containing_itself_fails_with_the_reason():
+    big = code_verdict("def f(): return list(range(10**5))", "assert f() == [0]")
+    assert big.passed == 0 and big.killed is None and "too large to report" in big.feedback
+    loop = code_verdict("def f():\n    a = [1]\n    a.append(a)\n    return a", "assert f() == [1, [1]]")
+    assert loop.passed == 0 and "contains itself" in loop.feedback
+    nan = code_verdict("def f(): return float('nan')", "assert f() == 0.0")
+    assert "nan" in nan.feedback
 
 
 # a wrong f (returns None) dressed up to pass: patch the harness, its builtins or json, or read the

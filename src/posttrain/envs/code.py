@@ -11,12 +11,16 @@ after the last attempt the reward is the fraction of tests that attempt passed (
 killed it). A reply without a code block counts as an attempt that passed nothing.
 
 The verdict is the trainer's, not the sandbox's: the program run there holds the solution and, after
-it, only the call of each test (`f(3)`, never the expected value); it prints each call's value
-serialized with `json.dumps` (an object that is not JSON as `{"<object>": repr}`) on one line keyed
-by a nonce it reads from stdin before the solution runs. The trainer's process parses the asserts,
-takes the expected values from their literals and compares serializations: an object whose `__eq__`
-always says True passes nothing, and so does a solution that rewrites the harness, `builtins` or
-`json` in its interpreter; all it controls is the values it reports, which must be the right ones.
+it, only the call of each test (`f(3)`, never the expected value); it prints, on one line keyed by a
+nonce it reads from stdin before the solution runs, each call's value as Python literal text when
+the value is built only of plain values (None, bool, int, float, complex, str, bytes and tuples,
+lists, dicts, sets and frozensets of them: these exact types, checked recursively), else only that
+it is not (that test fails). The trainer's process parses the asserts, takes the expected values from
+their literals, reads each reported literal back with `ast.literal_eval` and compares with `==`: the
+verdict is Python's (`1 == True`, `2 == 2.0`, dicts and sets in any order; `(1, 2) != [1, 2]`) and no
+code of the solution runs in the trainer. An object whose `__eq__` always says True passes nothing,
+and so does a solution that rewrites the harness, `builtins` or `json` in its interpreter; all it
+controls is the values it reports, which must be the right ones.
 (The sandbox is no security boundary: a program that finds the problem set on disk can still read the
 answers; see envs/sandbox.py.)
 """
@@ -121,6 +125,8 @@ def extract_code(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
+_MAX_REPR = 4000  # characters of a returned value's literal the harness reports; a longer one fails its test
+
 _HARNESS = """\
 import json, os, sys, traceback
 
@@ -129,8 +135,52 @@ def _error(e):
     return traceback.format_exception_only(type(e), e)[-1].strip()
 
 
-def _main(nonce, source, calls, write=os.write, dumps=json.dumps, compile=compile, eval=eval, repr=repr):
-    tag = lambda o: {"<object>": repr(o)}
+def _show(o, repr=repr):
+    try:
+        return repr(o)[:200]
+    except BaseException as e:
+        return "an object whose repr raised " + _error(e)
+
+
+class _NotLiteral(Exception):
+    pass
+
+
+def _float(x, repr=repr):
+    if x != x:
+        raise _NotLiteral("nan")
+    return repr(x) if x - x == 0 else ("1e999" if x > 0 else "-1e999")
+
+
+def _literal(o, inside, type=type, id=id, len=len, repr=repr):
+    t = type(o)
+    if o is None or t is bool or t is int or t is str or t is bytes:
+        return repr(o)
+    if t is float:
+        return _float(o)
+    if t is complex:
+        i = _float(o.imag)
+        return "(" + _float(o.real) + (i if i[0] == "-" else "+" + i) + "j)"
+    if t is not tuple and t is not list and t is not dict and t is not set and t is not frozenset:
+        raise _NotLiteral("type")
+    if id(o) in inside:
+        raise _NotLiteral("cycle")
+    inside.add(id(o))
+    if t is dict:
+        items = [_literal(k, inside) + ": " + _literal(v, inside) for k, v in o.items()]
+    else:
+        items = [_literal(x, inside) for x in o]
+    inside.discard(id(o))
+    text = ", ".join(items)
+    if t is tuple:
+        return "(" + text + ("," if len(items) == 1 else "") + ")"
+    if t is list:
+        return "[" + text + "]"
+    return "{" + text + "}" if items or t is dict else "set()"
+
+
+def _main(nonce, source, calls, limit, write=os.write, dumps=json.dumps, compile=compile, eval=eval,
+          set=set, len=len, literal=_literal, show=_show, NotLiteral=_NotLiteral):
     ns = {"__name__": "solution"}
     report = {"results": []}
     try:
@@ -141,14 +191,31 @@ def _main(nonce, source, calls, write=os.write, dumps=json.dumps, compile=compil
     for call in calls:
         try:
             got = eval(compile(call, "test", "eval"), ns)
-            report["results"].append({"value": dumps(got, default=tag), "repr": repr(got)[:200]})
         except BaseException as e:
             report["results"].append({"error": _error(e)})
+            continue
+        try:
+            text = literal(got, set())
+            result = {"value": text} if len(text) <= limit else {"other": text[:200], "why": "size"}
+        except NotLiteral as e:
+            result = {"other": show(got), "why": e.args[0]}
+        except BaseException:  # nested past the recursion limit, an int too long to print, ...
+            result = {"other": show(got), "why": "size"}
+        report["results"].append(result)
     write(1, ("\\n" + nonce + " " + dumps(report) + "\\n").encode())
 
 
-_main(sys.stdin.readline().strip(), SOURCE, CALLS)
+_main(sys.stdin.readline().strip(), SOURCE, CALLS, LIMIT)
 """
+
+# why the harness could not report a value as a literal (its "why"), as the model is told
+_NOT_LITERAL = {
+    "type": "not a value built only of None, bool, int, float, complex, str, bytes and tuples, lists, "
+    "dicts and sets of them (the only values the tests compare)",
+    "nan": "a value holding a float nan (equal to nothing)",
+    "cycle": "a value that contains itself",
+    "size": f"a value too large to report (its literal is over {_MAX_REPR} characters or nested too deeply)",
+}
 
 
 @dataclass(frozen=True)
@@ -167,29 +234,42 @@ class UnitTest:
         t = node[0].test if len(node) == 1 and isinstance(node[0], ast.Assert) else None
         if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
             try:
-                return cls(test, ast.unparse(t.left), ast.literal_eval(t.comparators[0]))
+                expected = ast.literal_eval(t.comparators[0])
             except ValueError:
                 pass
+            else:
+                if len(repr(expected)) > _MAX_REPR // 2:
+                    raise ValueError(
+                        f"the expected value of the code test {test[:100]!r}... is longer than "
+                        f"{_MAX_REPR // 2} characters; the harness reports values up to {_MAX_REPR}"
+                    )
+                return cls(test, ast.unparse(t.left), expected)
         raise ValueError(
             f"the code test {test!r} is not of the form `assert EXPR == LITERAL`; the harness compares "
             "the value of EXPR with the literal outside the sandbox, so write the expected value out"
         )
 
-    def wanted(self) -> str:
-        """The expected value serialized as the harness serializes the value it got."""
-        return json.dumps(self.expected, default=_tag)
-
-
-def _tag(o: Any) -> dict[str, str]:
-    return {"<object>": repr(o)}
+    def passes(self, literal: str) -> bool:
+        """Whether the value the harness reported (its literal text) equals the expected value, as
+        Python's `==` says: both are plain values (ast.literal_eval), so no code of the solution runs."""
+        if len(literal) > _MAX_REPR:  # (the harness reports none longer: a forged report)
+            return False
+        try:
+            return bool(ast.literal_eval(literal) == self.expected)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return False  # (e.g. a set in a set: a value no literal expected value can equal)
 
 
 def harness_program(code: str, tests: list[UnitTest]) -> str:
     """The program the sandbox runs: `code` as solution.py, then the call of each test; it reports one
-    line `NONCE {"results": [{"value": JSON, "repr": ...} | {"error": ...}, ...]}` (or `{"failure": ...}`
-    when the code itself raised) with the nonce it reads from stdin first. The expected values are not
-    in it: the verdict is the parent's (`_verdict`)."""
-    return _HARNESS.replace("SOURCE, CALLS)", f"{code!r}, {[t.call for t in tests]!r})")
+    line `NONCE {"results": [{"value": LITERAL} | {"other": REPR, "why": ...} | {"error": ...}, ...]}`
+    (or `{"failure": ...}` when the code itself raised) with the nonce it reads from stdin first. A
+    value is reported as Python literal text (`ast.literal_eval` reads it back) only when it is built
+    of plain values (None, bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset:
+    exactly these types, not subclasses); anything else as "other", which fails its test. The
+    expected values are not in it: the verdict is the parent's (`_verdict`)."""
+    calls = [t.call for t in tests]
+    return _HARNESS.replace("SOURCE, CALLS, LIMIT)", f"{code!r}, {calls!r}, {_MAX_REPR})")
 
 
 @dataclass
@@ -226,8 +306,8 @@ def _verdict(result: SandboxResult, nonce: str, tests: list[UnitTest], cfg: Code
 
 
 def _score(report_text: str, tests: list[UnitTest]) -> Verdict:
-    """Compare the values the harness reported with the expected ones (computed here, not in the
-    sandbox): a test passes when its value serializes as the expected value does."""
+    """Compare the values the harness reported with the expected ones (parsed here, never in the
+    sandbox): a test passes when its reported literal equals the expected value (`UnitTest.passes`)."""
     total = len(tests)
     try:
         report = json.loads(report_text)
@@ -241,11 +321,14 @@ def _score(report_text: str, tests: list[UnitTest]) -> Verdict:
         for test, got in zip(tests, results):
             if "error" in got:
                 problem = f"{test.text}: {test.call} raised {got['error']}"
-            elif got["value"] == test.wanted():
-                passed += 1
-                continue
+            elif "value" in got and isinstance(got["value"], str):
+                if test.passes(got["value"]):
+                    passed += 1
+                    continue
+                problem = f"{test.text}: {test.call} returned {got['value'][:200]}"
             else:
-                problem = f"{test.text}: {test.call} returned {str(got['repr'])[:200]}"
+                why = _NOT_LITERAL.get(got.get("why"), _NOT_LITERAL["type"])
+                problem = f"{test.text}: {test.call} returned {str(got['other'])[:200]}, {why}"
             first = first or problem
     except (ValueError, TypeError, KeyError, AttributeError):
         return Verdict(0, total, f"0/{total} tests passed. The test report was malformed.")

@@ -13,8 +13,11 @@ The process tree (the launcher is envs/_sandbox_child.py):
 The rlimits are per process: a program that forks gives each child its own CPU seconds and address
 space. `max_processes` (opt-in) bounds how many processes and threads it may have at once, through a
 cgroup of the pids controller made for the run (the launcher joins it before anything forks; at the
-end whatever is left in it is killed and the cgroup removed); it needs a pids controller this process
-may make a cgroup in (root, or a delegated cgroup), `check_sandbox` refuses it where there is none.
+end whatever is left in it is killed and the cgroup removed, then the run's directory); it needs a pids
+controller this process may make a cgroup in, set up and move processes into (root, or a delegated
+cgroup): `check_sandbox` tries all three once per process and refuses the config where one fails, and
+should one fail in a run after all, the run raises `SandboxUnavailableError` (a trajectory does not
+fail for it: the training run stops, rollout/trajectory.py).
 (RLIMIT_NPROC would not do: it counts all of the user's processes outside a user namespace, and
 exempts root.) The launcher and the processes it forks die with their parent (PR_SET_PDEATHSIG), so a
 trainer killed without cleaning up (OOM killer, a killed Ray actor) leaves no run behind.
@@ -192,13 +195,14 @@ def _namespaces_error() -> str | None:
 
 @functools.cache
 def _pids_parent() -> Path | str:
-    """The cgroup (of the pids controller, v1 or v2) of this process, where a run's own cgroup can be
-    made, or why there is none."""
+    """The cgroup (of the pids controller, v1 or v2) of this process where a run's own cgroup can be
+    made, set up and joined (`_probe_pids`), or why there is none."""
     try:
         own = Path("/proc/self/cgroup").read_text().splitlines()
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError as e:
         return f"cannot read /proc ({e})"
+    problems = []
     for line in mounts:
         fields, _, fs = line.partition(" - ")
         root, point = fields.split()[3:5]
@@ -211,26 +215,71 @@ def _pids_parent() -> Path | str:
             continue
         if mine:
             parent = Path(point, os.path.relpath(mine[0], root))
-            try:
-                probe = Path(tempfile.mkdtemp(prefix="posttrain-probe-", dir=parent))
-            except OSError:
-                continue
-            has_pids = (probe / "pids.max").exists()  # v2: only where the parent delegates pids
-            probe.rmdir()
-            if has_pids:
+            problem = _probe_pids(parent)
+            if problem is None:
                 return parent
-    return "no cgroup with the pids controller that this process may make a child cgroup in"
+            problems.append(problem)
+    return "; ".join(problems) or "no cgroup hierarchy with the pids controller holds this process"
+
+
+def _probe_pids(parent: Path) -> str | None:
+    """Do in `parent` what a run does (make a cgroup, write its pids.max, move a process into it; on
+    cgroup v2 moving needs write access to the parent's cgroup.procs too), then clean up; None when
+    all of it worked, else what failed."""
+    try:
+        probe = Path(tempfile.mkdtemp(prefix="posttrain-probe-", dir=parent))
+    except OSError as e:
+        return f"cannot make a cgroup in {parent} ({e})"
+    child = None
+    try:
+        if not (probe / "pids.max").exists():  # v2: only where the parent delegates pids
+            return f"{parent} does not delegate the pids controller to its child cgroups"
+        try:
+            (probe / "pids.max").write_text("64")
+        except OSError as e:
+            return f"cannot set pids.max of a cgroup in {parent} ({e})"
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.read()"],  # waits for our EOF
+            stdin=subprocess.PIPE,
+            env=_ENV,
+        )
+        try:
+            (probe / "cgroup.procs").write_text(str(child.pid))
+        except OSError as e:
+            return f"cannot move a process into a cgroup in {parent} ({e})"
+        return None
+    except OSError as e:
+        return f"cannot start a process to probe the cgroup in {parent} ({e})"
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+            if child.stdin is not None:
+                child.stdin.close()
+        _remove_cgroup(probe)
 
 
 def _pids_cgroup(cfg: SandboxConfig) -> Path | None:
     """A new cgroup allowing the program `max_processes` tasks beside the launcher (and the namespace's
-    init), or None when the config sets no bound."""
+    init), or None when the config sets no bound. `SandboxUnavailableError` (and nothing left behind)
+    when it cannot be made or set up."""
     if cfg.max_processes is None:
         return None
     parent = _pids_parent()
     assert isinstance(parent, Path)  # check_sandbox refused the run otherwise
-    group = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
-    (group / "pids.max").write_text(str(cfg.max_processes + (2 if cfg.network == "isolate" else 1)))
+    fix = "; unset sandbox.max_processes or run where this process may manage a pids cgroup"
+    try:
+        group = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
+    except OSError as e:
+        raise SandboxUnavailableError(
+            f"the sandbox could not make a pids cgroup in {parent}: {e}{fix}"
+        ) from e
+    try:
+        (group / "pids.max").write_text(str(cfg.max_processes + (2 if cfg.network == "isolate" else 1)))
+    except OSError as e:
+        with suppress(OSError):
+            group.rmdir()
+        raise SandboxUnavailableError(f"the sandbox could not set pids.max of {group}: {e}{fix}") from e
     return group
 
 
@@ -275,9 +324,18 @@ async def arun_python(code: str, cfg: SandboxConfig, stdin: str | bytes | None =
         group = _pids_cgroup(cfg)
         return await _Run(cfg, workdir, group).run(data)
     finally:
+        if group is None:
+            _remove_tree(workdir)
+        else:  # on a thread (what is left in the cgroup may take a moment to die), which finishes even
+            # if this task is cancelled meanwhile: the processes are killed before their directory goes
+            await asyncio.shield(asyncio.to_thread(_clean_up, group, workdir))
+
+
+def _clean_up(group: Path, workdir: str) -> None:
+    try:
+        _remove_cgroup(group)
+    finally:
         _remove_tree(workdir)
-        if group is not None:  # on a thread: what is left in it may take a moment to die
-            await asyncio.shield(asyncio.to_thread(_remove_cgroup, group))
 
 
 def _limits(cfg: SandboxConfig) -> list[tuple[str, int, int]]:

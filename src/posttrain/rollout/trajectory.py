@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from posttrain.envs.base import AssistantMessage, EnvReset, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite
+from posttrain.envs.sandbox import SandboxUnavailableError
 from posttrain.envs.tools import as_tools, daemon_call
 from posttrain.generation.params import GenerationResult, SamplingParams
 from posttrain.generation.sampler import derive_seed
@@ -100,7 +101,9 @@ class EnvFailure(RuntimeError):
 
 
 async def env_call(fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
-    """Call an environment method (plain or async) within `timeout` seconds; EnvFailure otherwise."""
+    """Call an environment method (plain or async) within `timeout` seconds; EnvFailure otherwise,
+    except for `SandboxUnavailableError` (this machine cannot run the environment's sandbox as
+    configured: every trajectory would fail), which is raised as it is and stops the run."""
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(*args), timeout)
@@ -110,6 +113,8 @@ async def env_call(fn: Callable[..., Any], *args: Any, timeout: float, what: str
         return result
     except TimeoutError as e:
         raise EnvFailure(f"{what} timed out after {timeout:g} s (EnvLimits.step_timeout_s)") from e
+    except SandboxUnavailableError:
+        raise
     except Exception as e:
         raise EnvFailure(f"{what} raised {type(e).__name__}: {e}") from e
 
