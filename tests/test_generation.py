@@ -300,6 +300,48 @@ def test_stop_token_stop_string_length_and_context_limit():
     assert (r.token_ids, r.finish_reason) == (free.token_ids[:4], "length")
 
 
+@pytest.mark.parametrize("source", ["generation_config", "config"])
+def test_every_eos_id_of_the_model_stops_a_request(source):
+    """Qwen2.5-Instruct and Llama-3-Instruct list two EOS ids in generation_config.json (<|im_end|> and
+    <|endoftext|>; <|eot_id|> and <|end_of_text|>): transformers.generate and vLLM stop at either, so
+    does the engine, greedy or sampled, with finish reason 'stop'. Also a list in the model config of
+    an engine without a tokenizer (every id of it, not its first)."""
+    prompts = prompts_of([5, 3, 7, 4])
+    model = build_tiny_model(VOCAB, seed=2)
+    greedy, sampled = (
+        SamplingParams(greedy=True, max_new_tokens=12),
+        SamplingParams(max_new_tokens=12, seed=4),
+    )
+    free = GenerationEngine(model, TOK).generate(prompts, greedy.model_copy(update={"stop_at_eos": False}))
+    second = free[0].token_ids[4]  # an id greedy decoding meets mid-completion
+    assert second != TOK.eos_token_id and all(TOK.eos_token_id not in r.token_ids for r in free)
+    if source == "generation_config":
+        model.generation_config.eos_token_id = [TOK.eos_token_id, second]
+        engine = GenerationEngine(model, TOK)
+        reference = model.generate(  # transformers' own stop rule, from the generation config
+            input_ids=torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=12, pad_token_id=0
+        )[0, len(prompts[0]) :].tolist()
+        assert reference == free[0].token_ids[:5]
+    else:
+        model.config.eos_token_id = [TOK.eos_token_id, second]
+        engine = GenerationEngine(model)
+    for params in (greedy, sampled):
+        unstopped = engine.generate(prompts, params.model_copy(update={"stop_at_eos": False}))
+        results = engine.generate(prompts, params)
+        ends = [
+            next((i for i, t in enumerate(u.token_ids) if t in (TOK.eos_token_id, second)), None)
+            for u in unstopped
+        ]
+        assert any(e is not None and unstopped[k].token_ids[e] == second for k, e in enumerate(ends))
+        for r, u, end in zip(results, unstopped, ends):
+            if end is None:
+                assert (r.token_ids, r.finish_reason) == (u.token_ids, "length")
+            else:
+                want = (u.token_ids[: end + 1], "stop", u.token_ids[end])
+                assert (r.token_ids, r.finish_reason, r.stop_reason) == want
+    assert set(engine.eos_token_ids) == {TOK.eos_token_id, second}
+
+
 def test_bad_input_gives_clear_errors():
     engine = make_engine(max_model_len=16)
     with pytest.raises(ValueError, match="empty prompt"):

@@ -53,7 +53,7 @@ from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lean_decode import PACK_MIN_NUMEL, LeanDecoder
 from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
 from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
-from posttrain.generation.requests import Request, check_prompt, stop_ids
+from posttrain.generation.requests import Request, check_prompt, eos_token_ids, stop_ids
 from posttrain.generation.routing import RoutingLog
 from posttrain.generation.sampler import RowParams, mix64, request_key, sample
 from posttrain.generation.sessions import EngineSessions, PrefillBudget, prefill_groups
@@ -110,10 +110,8 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._body = plain_head_body(model)  # set: the engine applies the LM head itself
         packs = self._head.packs  # the lean decoder's projections are packed beside the head
         self._lean = LeanDecoder.for_model(model, self.max_len, packs) if self._body is not None else None
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.eos_token_id = eos if eos is not None else getattr(config, "eos_token_id", None)
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
+        self.eos_token_ids = eos_token_ids(self.tokenizer, model)  # a request stops at any (stop_at_eos)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first, for a pad row
         self.pad_token_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         self.weight_version = 0
         self._weights_valid = True
@@ -179,7 +177,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         if memo is None or memo not in checked:
             checked[memo] = (
                 check_prompt(prompt, self.vocab_size, self.max_len),
-                stop_ids(params, self.vocab_size, self.eos_token_id),
+                stop_ids(params, self.vocab_size, self.eos_token_ids),
             )
         ids, stops = checked[memo]
         try:

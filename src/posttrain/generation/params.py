@@ -96,7 +96,11 @@ class SamplingParams(Config):
     stop_token_ids: list[int] = Field(
         default_factory=list, description="generation stops after any of these (the token is kept)"
     )
-    stop_at_eos: bool = Field(True, description="also stop at the tokenizer's eos token")
+    stop_at_eos: bool = Field(
+        True,
+        description="also stop at every EOS id of the model: the tokenizer's and each of the model "
+        "config's and generation config's eos_token_id lists (as transformers.generate and vLLM do)",
+    )
     stop_strings: list[str] = Field(
         default_factory=list,
         description="stop once the completion text contains one of these (tokens kept up to the one "

@@ -3,7 +3,7 @@ far, and the stop rules (stop token ids, stop strings, token and context limits)
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,8 +96,23 @@ def check_prompt(prompt: list[int], vocab_size: int, max_len: int) -> list[int]:
     return ids
 
 
-def stop_ids(params: SamplingParams, vocab_size: int, eos_token_id: int | None) -> frozenset[int]:
-    """The stop token ids of a request, checked against the vocabulary."""
+def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
+    """Every EOS id of a model, first the tokenizer's, then those of the model config's and of its
+    generation config's `eos_token_id` (an id or a list), without repeats. transformers.generate and
+    vLLM stop at each id of the generation config's list: Qwen2.5-Instruct ends a turn with <|im_end|>
+    and a document with <|endoftext|>, Llama-3-Instruct with <|eot_id|> and <|end_of_text|>."""
+    found: list[int] = []
+    for source in (tokenizer, model.config, getattr(model, "generation_config", None)):
+        ids = getattr(source, "eos_token_id", None)
+        for t in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if t is not None and int(t) not in found:
+                found.append(int(t))
+    return tuple(found)
+
+
+def stop_ids(params: SamplingParams, vocab_size: int, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The stop token ids of a request, checked against the vocabulary: its own, and with `stop_at_eos`
+    every EOS id of the model (`eos_token_ids`)."""
     ids = set(params.stop_token_ids)
     for t in ids:
         if not 0 <= t < vocab_size:
@@ -105,6 +120,6 @@ def stop_ids(params: SamplingParams, vocab_size: int, eos_token_id: int | None) 
                 f"unknown stop token id {t}: the vocabulary has ids [0, {vocab_size}); "
                 "pass ids from the engine model's tokenizer"
             )
-    if params.stop_at_eos and eos_token_id is not None:
-        ids.add(int(eos_token_id))
+    if params.stop_at_eos:
+        ids.update(int(t) for t in eos_token_ids)
     return frozenset(ids)
