@@ -826,6 +826,48 @@ def test_sync_calls_after_async_use_neither_hang_nor_lose_results():
     assert [r.request_id for r in engine.step()] == [rid]
 
 
+def test_a_step_callers_step_hands_asyncio_results_to_their_waiters_never_to_itself(monkeypatch):
+    """A cancelled agenerate's request decodes on; when a generate() caller's step finishes it, its
+    result is dropped, neither returned nor parked for the next step() caller (who never submitted it,
+    and whose bookkeeping breaks on a foreign id). An asyncio request finished by a step() caller's
+    step goes to its waiter. No stepping thread here (_ensure_driver switched off): the blocking
+    caller's steps are the only ones."""
+    prompts = prompts_of([4, 6, 5])
+    params = SamplingParams(max_new_tokens=5, seed=2, stop_at_eos=False)
+    expected = [r.token_ids for r in make_engine().generate(prompts, params)]
+    engine = make_engine()
+    monkeypatch.setattr(engine, "_ensure_driver", lambda: None)
+
+    async def abandon():
+        task = asyncio.ensure_future(engine.agenerate(prompts[0], params))
+        await asyncio.sleep(0)  # queued
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(abandon())
+    assert engine.has_unfinished()  # the cancelled request still waits to run
+    mine = engine.generate([prompts[1]], params.model_copy(update={"max_new_tokens": 20}))
+    assert len(mine) == 1 and not engine.has_unfinished()  # generate's steps finished the other one too
+    assert engine._parked == [] and list(engine.iter_results()) == [] and not engine._async_ids
+
+    def drain() -> list:
+        out = []
+        while engine.has_unfinished():
+            out += engine.step()
+        return out
+
+    async def waited():
+        fut = asyncio.ensure_future(engine.agenerate(prompts[2], params, stream_index=2))
+        await asyncio.sleep(0)
+        stepped = await asyncio.to_thread(drain)
+        return stepped, await fut
+
+    stepped, result = asyncio.run(asyncio.wait_for(waited(), 30))
+    assert stepped == [] and result.token_ids == expected[2]
+    assert not engine._async_ids and not engine._futures and engine._parked == []
+
+
 def test_mistral_sliding_window_shorter_than_the_context_is_windowed():
     """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
     the engine's context is applied (ring buffers of the window, no lean decoder; exactness in

@@ -286,23 +286,19 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         return done + self._step_once()
 
     def _step_once(self, park: bool = False) -> list[GenerationResult]:
-        """One step. With `park` (the stepping thread), the results nobody awaits (of submit() or
-        generate() requests) are parked for step() in the same hold of the lock that finished them,
-        so a caller never sees the engine idle with their results in neither place."""
+        """One step; returns the results of submit()/generate() requests, or with `park` (the stepping
+        thread) parks them for step(). Results of asyncio requests go to their waiters, whoever steps
+        (generation/stepper.py, `_route`)."""
         with self._lock, torch.inference_mode():
             self._check_can_run()
             finished = self._admit()
             if self._active:
                 finished += self._decode()
-            results = [r.result() for r in finished]
             if self._shared and not (self._active or self._waiting):
                 # packed copies of weights shared with a trainer live while requests run: an optimizer
                 # step between two generate() calls updates the tensors in place, not the copies
                 self._head.drop_packed()
-            if park:
-                self._parked += [r for r in results if r.request_id not in self._async_ids]
-                results = [r for r in results if r.request_id in self._async_ids]
-            return results
+            return self._route([r.result() for r in finished], park)
 
     def iter_results(self) -> Iterator[GenerationResult]:
         """Step until nothing is left, yielding each result as it finishes."""

@@ -4,7 +4,11 @@
 the engine's steps while there is work, so the event loop stays free to submit more, and hands finished
 results back to the loop. The thread is started on demand (never at construction, so an engine can be
 built inside a Ray actor), idles a moment when the work runs out (the next burst reuses it) and then
-exits. Results of `submit()`/`generate()` requests that the thread finishes are parked for `step()`.
+exits. Results of `submit()`/`generate()` requests that the thread finishes are parked for `step()`;
+results of asyncio requests that a `step()`/`generate()` caller's step finishes go to their waiters.
+
+A cancelled waiter's request keeps decoding (its slot is freed when it finishes) and its result is
+dropped.
 
 `AsyncStepping` is mixed into `GenerationEngine`; it uses the engine's queues, lock and `_step_once`.
 """
@@ -28,10 +32,10 @@ log = get_logger(__name__)
 _STEPPER_IDLE_S = 0.5  # an idle stepping thread waits this long for more work before it exits
 
 
-def _post(loop: asyncio.AbstractEventLoop | None, fn, arg) -> None:
-    """Run fn(arg) on the event loop; dropped when the loop has closed (nobody is waiting)."""
+def _post(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:
+    """Run fn(*args) on the event loop; dropped when the loop has closed (nobody is waiting)."""
     try:
-        loop.call_soon_threadsafe(fn, arg)
+        loop.call_soon_threadsafe(fn, *args)
     except (RuntimeError, AttributeError):
         pass
 
@@ -60,14 +64,14 @@ class AsyncStepping:
     _admit_paused: bool
     _make_request: Callable[..., Request]
     _make_requests: Callable[..., list[Request]]
+    _parked: list[GenerationResult]
     _step_once: Callable[..., list[GenerationResult]]
     load_weights: Callable[[WeightsLike, int], dict[str, float]]
 
     def _build_stepper(self) -> None:
         self._futures: dict[int, asyncio.Future] = {}
-        self._work = threading.Condition()  # guards _stepping/_loop; wakes an idle stepping thread
+        self._work = threading.Condition()  # guards _stepping; wakes an idle stepping thread
         self._stepping = False  # a stepping thread is running (see _ensure_driver)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._async_ids: set[int] = set()  # requests made by agenerate()/astream()
         self._closing = False  # set at interpreter exit: the stepping thread stops (see _stop_steppers)
 
@@ -156,12 +160,11 @@ class AsyncStepping:
         return fut
 
     def _ensure_driver(self) -> None:
-        """Make sure the stepping thread runs and serves the calling event loop. The thread steps while
-        there is work, hands finished results to the loop (which stays free), idles a moment when the
-        work runs out (the next burst reuses it) and then exits."""
+        """Make sure the stepping thread runs. The thread steps while there is work, hands finished
+        results to the loop each waiter awaits on (which stays free; an engine may outlive a loop), idles
+        a moment when the work runs out (the next burst reuses it) and then exits."""
         loop = asyncio.get_running_loop()
         with self._work:
-            self._loop = loop  # results go to the loop that asked last (an engine may outlive a loop)
             start = not self._stepping
             self._stepping = True
         # from the loop's next turn, so that requests submitted by coroutines scheduled in this turn
@@ -181,7 +184,6 @@ class AsyncStepping:
         return bool(self._active or (self._waiting and not self._admit_paused))
 
     def _step_loop(self) -> None:
-        loop = None
         try:
             while True:
                 with self._work:
@@ -190,17 +192,38 @@ class AsyncStepping:
                     if self._closing or not self._has_async_work():
                         self._stepping = False
                         return
-                    loop = self._loop
-                waited = self._step_once(park=True)  # submit()/generate() results wait for step()
-                self._async_ids.difference_update(r.request_id for r in waited)
-                if waited:
-                    _post(loop, self._deliver, waited)
+                self._step_once(park=True)  # submit()/generate() results wait for step()
         except BaseException as e:  # hand the error to every waiter
+            log.error("generation step failed: %r", e)
             with self._work:
                 self._stepping = False
-                loop = self._loop
-            log.error("generation step failed: %r", e)
-            _post(loop, self._fail_all, e)
+            for loop, ids in self._by_loop(list(self._futures), lambda rid: rid).items():
+                _post(loop, self._fail, e, ids)
+
+    def _by_loop(self, items: list, request_id: Callable) -> dict[asyncio.AbstractEventLoop, list]:
+        """`items` grouped by the event loop that awaits their request (`request_id(item)`); those
+        nobody awaits any more are left out."""
+        out: dict[asyncio.AbstractEventLoop, list] = {}
+        for item in items:
+            if (fut := self._futures.get(request_id(item))) is not None:
+                out.setdefault(fut.get_loop(), []).append(item)
+        return out
+
+    def _route(self, results: list[GenerationResult], park: bool) -> list[GenerationResult]:
+        """Split one step's results (under the engine's lock): those of asyncio requests go to their
+        waiters (dropped where the waiter has gone: a cancelled one's request decodes on, and its result
+        is nobody's), whichever thread stepped, and never to a step() caller; the others are returned,
+        or with `park` (the stepping thread) parked for step() in the same hold of the lock that
+        finished them, so a caller never sees the engine idle with their results in neither place."""
+        mine = [r for r in results if r.request_id not in self._async_ids]
+        waited = [r for r in results if r.request_id in self._async_ids]
+        self._async_ids.difference_update(r.request_id for r in waited)
+        for loop, theirs in self._by_loop(waited, lambda r: r.request_id).items():
+            _post(loop, self._deliver, theirs)
+        if park:
+            self._parked += mine
+            return []
+        return mine
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         """Resolve the futures of finished requests (on the event loop); a cancelled waiter's result is
@@ -213,11 +236,12 @@ class AsyncStepping:
                 except RuntimeError:  # its loop has closed (asyncio.run ended): nobody is waiting
                     pass
 
-    def _fail_all(self, error: BaseException) -> None:
-        for fut in self._futures.values():
-            if not fut.done():
+    def _fail(self, error: BaseException, ids: list[int]) -> None:
+        """Fail the waiters of requests `ids` (on the event loop)."""
+        for rid in ids:
+            fut = self._futures.pop(rid, None)
+            if fut is not None and not fut.done():
                 try:
                     fut.set_exception(error)
                 except RuntimeError:  # its loop has closed
                     pass
-        self._futures.clear()
