@@ -868,6 +868,58 @@ def test_a_step_callers_step_hands_asyncio_results_to_their_waiters_never_to_its
     assert not engine._async_ids and not engine._futures and engine._parked == []
 
 
+def test_a_failed_asyncio_request_leaves_nothing_in_the_engine():
+    """An asyncio request is refused at the call, and not queued, while the engine cannot run (asleep,
+    weights incomplete); a step that fails fails its asyncio waiters and takes their requests out (waiting or
+    decoding): none is left for a later generate() to run, for load_weights()/sleep() to wait on or for
+    a later step() to fail in. A submit()-ed request stays for step()."""
+    prompts = prompts_of([4, 6, 5, 3])
+    params = SamplingParams(max_new_tokens=12, seed=2, stop_at_eos=False)
+    expected = [r.token_ids for r in make_engine().generate(prompts, params)]
+    engine = make_engine(max_num_seqs=2)  # two of the three asyncio requests decode, one waits
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    async def stream():
+        return [r async for r in engine.astream(prompts, params)]
+
+    async def refused():
+        for call in (engine.agenerate(prompts[0], params), engine.agenerate_all(prompts, params), stream()):
+            with pytest.raises(EngineStateError, match="asleep"):
+                await call
+
+    engine.sleep()
+    with pytest.MonkeyPatch.context() as mp:  # refused at the call: no stepping thread needed to fail it
+        mp.setattr(engine, "_ensure_driver", lambda: None)
+        asyncio.run(asyncio.wait_for(refused(), 30))
+    engine.wake()
+    assert not engine.has_unfinished() and not engine._async_ids
+    engine.load_weights(state, version=1)
+
+    steps, real_decode = [], engine._decode
+
+    def failing_decode():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("decode exploded")
+        return real_decode()
+
+    engine._decode = failing_decode
+    rid = engine.submit(prompts[3], params, stream_index=3)
+
+    async def failing():
+        with pytest.raises(RuntimeError, match="decode exploded"):
+            await engine.agenerate_all(prompts[:3], params)
+
+    asyncio.run(asyncio.wait_for(failing(), 30))
+    engine._decode = real_decode
+    assert not engine._async_ids and not engine._futures
+    assert [r.request_id for r in [*engine._waiting, *engine._active]] == [rid]  # the submit()-ed one
+    assert [(r.request_id, r.token_ids) for r in engine.iter_results()] == [(rid, expected[3])]
+    engine.load_weights(state, version=2)  # nothing decoding
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    assert engine._parked == [] and list(engine.iter_results()) == []
+
+
 def test_mistral_sliding_window_shorter_than_the_context_is_windowed():
     """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
     the engine's context is applied (ring buffers of the window, no lean decoder; exactness in

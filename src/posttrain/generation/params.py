@@ -109,7 +109,10 @@ class SamplingParams(Config):
     seed: int | None = Field(
         None,
         description="seed of the request's random stream; request k of a generate() call uses stream "
-        "(seed, k). None = derived from the engine seed and the request id",
+        "(seed, k). None = derived from the engine seed and the request id. Each request draws from "
+        "the start of its stream: two requests with the same seed and stream (the turns of one session "
+        "given the same SamplingParams) draw the same uniforms, so give each turn a seed of its own "
+        "(sampler.derive_seed(seed, turn), as rollout/trajectory.py does)",
     )
     greedy: bool = Field(False, description="take the most likely token (argmax) instead of sampling")
 

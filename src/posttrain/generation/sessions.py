@@ -11,6 +11,11 @@ several such continuations share one forward, right-padded, each row from its ow
 the prompt is prefilled whole and the request counts as a miss. A conversation of T turns then runs
 each token through prefill once, not once per later turn.
 
+Sampling is not continued across turns: each request draws from the start of its random stream, so
+the turns of a session given the same seed and stream would draw the same uniforms (correlated
+samples). A caller seeding its requests derives a seed per turn (`derive_seed(seed, tag, turn)` in
+rollout/trajectory.py); unseeded requests draw from their request id's stream and need nothing.
+
 Stored keys/values belong to the weights that computed them: every weight load and `sleep()` drop them
 all. At most `max_cached_sessions` entries are kept (the least recently used go first). The store has
 a lock of its own, so `end_session()` from an event loop never waits for a step.

@@ -8,7 +8,9 @@ exits. Results of `submit()`/`generate()` requests that the thread finishes are 
 results of asyncio requests that a `step()`/`generate()` caller's step finishes go to their waiters.
 
 A cancelled waiter's request keeps decoding (its slot is freed when it finishes) and its result is
-dropped.
+dropped. A step that fails fails every asyncio waiter and takes their requests out of the engine (the
+submit()/generate() requests stay for step()); an engine that cannot run (asleep, weights incomplete)
+refuses asyncio requests before queueing any, as `submit_all` does.
 
 `AsyncStepping` is mixed into `GenerationEngine`; it uses the engine's queues, lock and `_step_once`.
 """
@@ -21,6 +23,8 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
+
+import torch
 
 from posttrain.generation.params import GenerationResult, SamplingParams
 from posttrain.generation.requests import Request
@@ -66,6 +70,8 @@ class AsyncStepping:
     _make_requests: Callable[..., list[Request]]
     _parked: list[GenerationResult]
     _step_once: Callable[..., list[GenerationResult]]
+    _check_can_run: Callable[[], None]
+    _release: Callable[[list[int]], None]
     load_weights: Callable[[WeightsLike, int], dict[str, float]]
 
     def _build_stepper(self) -> None:
@@ -89,9 +95,7 @@ class AsyncStepping:
         req = self._make_request(
             prompt, params or SamplingParams(), stream_index, prompt_index, session=session
         )
-        fut = self._track(req)
-        self._waiting.append(req)
-        self._ensure_driver()
+        (fut,) = self._queue([req])
         try:
             return await fut
         finally:
@@ -105,10 +109,7 @@ class AsyncStepping:
     ) -> AsyncIterator[GenerationResult]:
         """Submit prompts (prompt k of session `sessions[k]`) and yield each result as soon as it
         finishes (completion order)."""
-        reqs = self._make_requests(prompts, params, sessions=sessions)
-        futs = [self._track(r) for r in reqs]
-        self._waiting.extend(reqs)
-        self._ensure_driver()
+        futs = self._queue(self._make_requests(prompts, params, sessions=sessions))
         for fut in asyncio.as_completed(futs):
             yield await fut
 
@@ -122,9 +123,7 @@ class AsyncStepping:
         from stream k, as in `generate`, and belongs to session `sessions[k]`). One wake-up of the
         caller for all of them, where `astream` has one per result."""
         reqs = self._make_requests(prompts, params, sessions=sessions)
-        futs = [self._track(r) for r in reqs]
-        self._waiting.extend(reqs)
-        self._ensure_driver()
+        futs = self._queue(reqs)
         try:
             return list(await asyncio.gather(*futs))
         finally:
@@ -152,6 +151,16 @@ class AsyncStepping:
             self._admit_paused = False
             if self._waiting:
                 self._ensure_driver()
+
+    def _queue(self, reqs: list[Request]) -> list[asyncio.Future]:
+        """Queue asyncio requests (none while the engine cannot run: EngineStateError) and make sure the
+        stepping thread serves them; their futures, in order."""
+        self._check_can_run()
+        with self._work:  # not between a failed step's snapshot of the asyncio requests and their removal
+            futs = [self._track(r) for r in reqs]
+            self._waiting.extend(reqs)
+        self._ensure_driver()
+        return futs
 
     def _track(self, req: Request) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -193,11 +202,12 @@ class AsyncStepping:
                         self._stepping = False
                         return
                 self._step_once(park=True)  # submit()/generate() results wait for step()
-        except BaseException as e:  # hand the error to every waiter
+        except BaseException as e:  # hand the error to every waiter, take their requests out
             log.error("generation step failed: %r", e)
             with self._work:
+                failed = self._drop_async_requests()
                 self._stepping = False
-            for loop, ids in self._by_loop(list(self._futures), lambda rid: rid).items():
+            for loop, ids in self._by_loop(failed, lambda rid: rid).items():
                 _post(loop, self._fail, e, ids)
 
     def _by_loop(self, items: list, request_id: Callable) -> dict[asyncio.AbstractEventLoop, list]:
@@ -224,6 +234,23 @@ class AsyncStepping:
             self._parked += mine
             return []
         return mine
+
+    def _drop_async_requests(self) -> list[int]:
+        """After a failed step: take every asyncio request out of the queue and its slot, so that none is
+        left for a later step (a generate() caller's) to run, to block load_weights()/sleep() or to fail
+        in; their ids (their waiters get the error)."""
+        with self._lock, torch.inference_mode():  # the slot state is made of inference tensors
+            ids = set(self._async_ids)
+            try:
+                for r in [r for r in self._waiting if r.request_id in ids]:
+                    self._waiting.remove(r)
+                slots = [i for i, r in enumerate(self._active) if r.request_id in ids]
+                if slots:
+                    self._release(slots)
+            except BaseException as e:  # the waiters still get the step's error
+                log.error("could not take the failed requests out of the engine: %r", e)
+            self._async_ids.difference_update(ids)
+        return sorted(ids)
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         """Resolve the futures of finished requests (on the event loop); a cancelled waiter's result is
