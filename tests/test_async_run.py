@@ -251,6 +251,41 @@ def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group
     asyncio.run(asyncio.wait_for(body(), 60))
 
 
+def test_a_hung_reward_is_abandoned_and_never_holds_the_event_loop_open(tmp_path, monkeypatch):
+    """A reward that never returns: its call is cancelled (the controller's request timeout) and
+    asyncio.run returns at once; the reward's thread is left behind (a daemon), not joined."""
+    (tmp_path / "hung_async_reward.py").write_text(
+        "import threading\n"
+        "started, release, events = threading.Event(), threading.Event(), []\n"
+        "def reward(prompts, completions, metadata):\n"
+        "    started.set()\n"
+        "    release.wait(60)  # hung until the test lets it go\n"
+        "    events.append('reward returned')\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        worker = EngineRolloutWorker.build(
+            worker_config(small_cfg(tmp_path, "task.reward_fn=hung_async_reward:reward"))
+        )
+        hung = sys.modules["hung_async_reward"]
+
+        async def body():
+            call = asyncio.create_task(worker.generate_group(worker.task.train.items[0], 0))
+            while not hung.started.is_set():
+                await asyncio.sleep(0.01)
+            call.cancel()  # as the controller's request timeout does
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+        asyncio.run(body())
+        hung.events.append("run returned")
+        hung.release.set()
+        assert hung.events[0] == "run returned"
+    finally:
+        sys.modules.pop("hung_async_reward", None)
+
+
 def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, flaky_reward):
     broken = flaky_reward.replace(":reward", ":always_fails")
     with pytest.raises(
