@@ -262,3 +262,61 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(doubles_by_value):
     assert summary.totals["retried"] >= 2  # prompt 5 once, and what r0 had in flight
     for a in actors[1:]:
         assert ray.get(a.__ray_call__.remote(lambda self: self.violations)) == []
+
+
+class _FakeRay:
+    """The few Ray calls `start_ray_workers` makes; `ready` fails (or times out) as `fail` says."""
+
+    class exceptions:
+        class GetTimeoutError(Exception):
+            pass
+
+        class ActorDiedError(Exception):
+            pass
+
+    def __init__(self, fail: Exception) -> None:
+        self.fail, self.started, self.killed = fail, [], []
+        ray = self
+
+        class Handle:
+            def __init__(self, name: str) -> None:
+                self.name = name
+                self.ready = type("Method", (), {"remote": staticmethod(lambda: name)})()
+
+        class ActorClass:
+            @staticmethod
+            def remote(cfg, name, threads):
+                ray.started.append(name)
+                return Handle(name)
+
+        self.actor_class = ActorClass
+
+    def remote(self, **opts):
+        return lambda cls: self.actor_class
+
+    def get(self, refs, timeout):
+        raise self.fail
+
+    def kill(self, actor) -> None:
+        self.killed.append(actor.name)
+
+
+@pytest.mark.parametrize("why", ["died", "timeout", "interrupted"])
+def test_ray_actors_that_started_are_killed_when_another_fails_to(monkeypatch, why):
+    """One actor dies in its constructor (e.g. out of memory building its engine), the wait times out or
+    is interrupted: every actor is killed (the caller gets no handles), and the error goes on."""
+    from posttrain.parallel import cluster
+    from posttrain.rollout import ray_worker
+    from posttrain.rollout.config import RolloutConfig
+
+    fail, expect, match = {
+        "died": (_FakeRay.exceptions.ActorDiedError("rollout-1: CUDA out of memory"), None, "out of memory"),
+        "timeout": (_FakeRay.exceptions.GetTimeoutError(), TimeoutError, "did not start within rollout"),
+        "interrupted": (KeyboardInterrupt(), KeyboardInterrupt, None),
+    }[why]
+    expect = expect or type(fail)
+    ray = _FakeRay(fail)
+    monkeypatch.setattr(cluster, "ensure_ray", lambda address: ray)
+    with pytest.raises(expect, match=match):
+        ray_worker.start_ray_workers(None, RolloutConfig(backend="ray", num_workers=3, timeout_s=5))
+    assert ray.killed == ray.started == ["rollout-0", "rollout-1", "rollout-2"]
