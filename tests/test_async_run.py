@@ -53,6 +53,7 @@ from posttrain.rollout.rows import (
     stack_rows,
 )
 from posttrain.tasks.build import build_task
+from posttrain.tasks.datasets import PromptDataset
 from posttrain.tasks.rewards import RewardError
 
 
@@ -476,6 +477,35 @@ def test_local_run_logs_validates_checkpoints_and_resumes(tmp_path):
         assert r["train/importance_weight"] > 0 and 0 <= r["staleness/max"] <= 1
         assert r["weight_sync/probe_max_abs_diff"] < 1e-4 and not math.isnan(r["reward"])
     assert (out / "checkpoints" / "step_4" / "metadata.json").is_file()
+
+
+def test_a_refused_resume_releases_the_policy_and_leaves_a_callers_policy_unloaded(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run_async_grpo(small_cfg(out, "async_grpo.num_steps=1", "grpo.val_at_start=false"))
+    built, shut = [], []
+    init, shutdown = Policy.__init__, Policy.shutdown
+    monkeypatch.setattr(
+        Policy, "__init__", lambda self, *a, **k: (built.append(self), init(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(Policy, "shutdown", lambda self: (shut.append(self), shutdown(self))[1])
+    # a config the checkpoint refuses: the Policy the run built for it is shut down
+    with pytest.raises(ValueError, match="async_grpo.max_staleness"):
+        run_async_grpo(small_cfg(out, "async_grpo.num_steps=2", "async_grpo.max_staleness=2"))
+    assert len(built) == 1 and shut == built
+    # another dataset's data position is refused before the checkpoint loads into the caller's policy
+    cfg = small_cfg(out, "async_grpo.num_steps=2")
+    policy = Policy(cfg.policy)
+    before = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    monkeypatch.setattr(PromptDataset, "fingerprint", lambda self: "an-edited-dataset")
+    with pytest.raises(
+        ValueError, match="fingerprint=.* but this dataset has fingerprint='an-edited-dataset'"
+    ):
+        run_async_grpo(cfg, policy=policy)
+    assert policy.get_states()[0]["trainer_version"] == 0
+    after = policy.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert shut == built[:1]  # the caller's policy is the caller's to shut down
+    policy.shutdown()
 
 
 def test_skipping_the_prev_logprob_pass_trains_exactly_like_computing_it(tmp_path, monkeypatch):

@@ -411,8 +411,7 @@ class AsyncGRPOController:
         """Restore a `state_dict()` into a fresh controller (before `run()`)."""
         if self._running or self.ledger.retained():
             raise RuntimeError("load_state_dict() needs a fresh controller that has not run yet")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")
+        check_state(state, self.pool.cursor)
         if state["buffer"] and self.samples_codec is None:
             raise ValueError(
                 "the controller state holds buffered samples; pass the samples_codec that saved them"
@@ -433,6 +432,14 @@ class AsyncGRPOController:
             group = BufferedGroup(**fields, samples=self.samples_codec.decode(item["samples"]))
             self.ledger.move(group.group_id, GroupState.BUFFERED)
             self.sampler.add(group, keep_order=True)
+
+
+def check_state(state: dict[str, Any], cursor: PromptCursor) -> None:
+    """Refuse a controller `state_dict()` of another format, or whose data position is of another
+    dataset or seed than `cursor`'s (nothing changes: a run checks this before its checkpoint loads)."""
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")
+    cursor.check_state_dict(state["cursor"])
 
 
 _BUFFER_KEYS = ("group_id", "prompt_id", "weight_version", "order", "num_samples", "retries")

@@ -41,7 +41,7 @@ import torch
 
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
 from posttrain.algorithms.async_grpo.contracts import PrepareGroup
-from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunSummary
+from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunSummary, check_state
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointManager
@@ -255,6 +255,11 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
     return ClippedPGLoss(loss_cfg)
 
 
+RESUME_HINT = (
+    "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
+)
+
+
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
     weights, controller. The run's files (config, metrics) are `run_async_grpo`'s."""
@@ -271,17 +276,6 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
             samples,
             samples,
         )
-    try:
-        check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
-    except ValueError:
-        if own_policy:
-            policy.shutdown()
-        raise
-    ckpt = CheckpointManager(cfg.checkpointing, parts.out)
-    hint = "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
-    extra = resume(
-        policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint, config=cfg
-    )
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
@@ -291,6 +285,20 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     trainer: ChunkedTrainer | None = None
     actors: list[Any] = []
     try:  # whatever fails from here releases what was started (and the policy, when this run built it)
+        check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
+        ckpt = CheckpointManager(cfg.checkpointing, parts.out)
+        cursor = task.train.new_cursor(cfg.async_grpo.num_epochs)
+        extra = resume(
+            policy,
+            ckpt,
+            _resume_view(cfg),
+            RESUME_MAY_CHANGE,
+            requires="controller",
+            hint=RESUME_HINT,
+            config=cfg,
+            # another dataset's position: refused before the checkpoint loads into the policy
+            check=lambda extra: check_state(extra["controller"], cursor),
+        )
         if cfg.distill is not None:
             check_same_vocabulary(cfg.policy, cfg.distill.teacher, cfg.distill.top_k)
             teacher = TeacherPolicy(teacher_config(cfg.distill.teacher))
@@ -314,7 +322,7 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
             prepare_samples(cfg, trainer, stats),
             build_loss(cfg, skip_prev),
             samples_codec=SAMPLES_CODEC,
-            cursor=task.train.new_cursor(cfg.async_grpo.num_epochs),
+            cursor=cursor,
         )
         if extra is not None:
             controller.load_state_dict(extra["controller"])
