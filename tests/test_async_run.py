@@ -22,6 +22,7 @@ import torch
 from helpers import actor_killer, assert_params_close, lagged_grpo_step, sync_config_like
 from helpers import small_async_grpo_cfg as small_cfg
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
+from posttrain.algorithms.async_grpo.contracts import AsyncGRPOError
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.run import (
     StepStats,
@@ -217,6 +218,8 @@ def flaky_reward(tmp_path, monkeypatch):
         "    return [1.0] * len(completions)\n"
         "def always_fails(prompts, completions, metadata):\n"
         "    raise RuntimeError('broken reward')\n"
+        "def constant(prompts, completions, metadata):\n"
+        "    return [1.0] * len(completions)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "flaky_async_reward:reward"
@@ -296,6 +299,27 @@ def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, fl
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["reward_failed_fraction"] == 1.0
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_dynamic_sampling_stops_a_run_whose_steps_never_fill(tmp_path, flaky_reward):
+    """Every group flat: the groups of a broken reward (all samples failed) and of a constant one. The run
+    stops with the reward's error (filtered groups' failures counted), or past (1 + refills) x target
+    groups filtered in a step, instead of drawing and filtering groups until the data runs out."""
+    common = ("grpo.dynamic_sampling=true", "grpo.val_at_start=false", "async_grpo.num_epochs=1")
+    broken = flaky_reward.replace(":reward", ":always_fails")
+    with pytest.raises(RewardError, match="step 1: the reward function .*always_fails. failed on 100% of"):
+        run_async_grpo(small_cfg(tmp_path / "broken", f"task.reward_fn={broken}", *common))
+    constant = flaky_reward.replace(":reward", ":constant")
+    cfg = small_cfg(
+        tmp_path / "flat", f"task.reward_fn={constant}", "grpo.dynamic_sampling_max_refills=1", *common
+    )
+    with pytest.raises(
+        AsyncGRPOError,
+        match="step 1: grpo.dynamic_sampling filtered 9 prompt groups .* grpo.dynamic_sampling_max_refills=1",
+    ):
+        run_async_grpo(cfg)
+    for out in ("broken", "flat"):
+        assert not [r for r in read_metrics(tmp_path / out / "metrics.jsonl") if "train/loss" in r]
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,8 @@ class AsyncGRPOController:
             return await bounded(aw, self._trainer_bound(), f"trainer {what}()")
         except WaitTimeout as e:
             raise TrainerError(f"{e} (trainer_timeout_s); the open step is aborted") from None
+        except AsyncGRPOError:  # a trainer's or hook's own verdict (a hook may stop the run): as it is
+            raise
         except Exception as e:
             raise TrainerError(f"trainer {what}() failed: {type(e).__name__}: {e}") from e
 
