@@ -262,3 +262,125 @@ def test_ray_rollout_worker_death_is_retried_elsewhere(doubles_by_value):
     assert summary.totals["retried"] >= 2  # prompt 5 once, and what r0 had in flight
     for a in actors[1:]:
         assert ray.get(a.__ray_call__.remote(lambda self: self.violations)) == []
+
+
+class _FakeRay:
+    """The few Ray calls `start_ray_workers` makes; `ready` fails (or times out) as `fail` says."""
+
+    class exceptions:
+        class GetTimeoutError(Exception):
+            pass
+
+        class ActorDiedError(Exception):
+            pass
+
+    def __init__(self, fail: Exception) -> None:
+        self.fail, self.started, self.killed = fail, [], []
+        ray = self
+
+        class Handle:
+            def __init__(self, name: str) -> None:
+                self.name = name
+                self.ready = type("Method", (), {"remote": staticmethod(lambda: name)})()
+
+        class ActorClass:
+            @staticmethod
+            def remote(cfg, name, threads):
+                ray.started.append(name)
+                return Handle(name)
+
+        self.actor_class = ActorClass
+
+    def remote(self, **opts):
+        return lambda cls: self.actor_class
+
+    def get(self, refs, timeout):
+        raise self.fail
+
+    def kill(self, actor) -> None:
+        self.killed.append(actor.name)
+
+
+@pytest.mark.parametrize("why", ["died", "timeout", "interrupted"])
+def test_ray_actors_that_started_are_killed_when_another_fails_to(monkeypatch, why):
+    """One actor dies in its constructor (e.g. out of memory building its engine), the wait times out or
+    is interrupted: every actor is killed (the caller gets no handles), and the error goes on."""
+    from posttrain.parallel import cluster
+    from posttrain.rollout import ray_worker
+    from posttrain.rollout.config import RolloutConfig
+
+    fail, expect, match = {
+        "died": (_FakeRay.exceptions.ActorDiedError("rollout-1: CUDA out of memory"), None, "out of memory"),
+        "timeout": (_FakeRay.exceptions.GetTimeoutError(), TimeoutError, "did not start within rollout"),
+        "interrupted": (KeyboardInterrupt(), KeyboardInterrupt, None),
+    }[why]
+    expect = expect or type(fail)
+    ray = _FakeRay(fail)
+    monkeypatch.setattr(cluster, "ensure_ray", lambda address: ray)
+    with pytest.raises(expect, match=match):
+        ray_worker.start_ray_workers(None, RolloutConfig(backend="ray", num_workers=3, timeout_s=5))
+    assert ray.killed == ray.started == ["rollout-0", "rollout-1", "rollout-2"]
+
+
+class _HeldFinishPolicy:
+    """The Policy verbs PolicyTrainer uses; the first `finish_train_step` is held until `release`."""
+
+    def __init__(self) -> None:
+        self.version, self.batch, self.applied = 0, [], []
+        self.release = threading.Event()
+
+    def get_states(self):
+        return [{"trainer_version": self.version}]
+
+    def prepare_for_training(self):
+        pass
+
+    def begin_train_step(self, loss_fn):
+        self.batch = []
+
+    def train_microbatch(self, batch):
+        self.batch.append(batch)
+
+    def finish_train_step(self):
+        self.release.wait(HARD_TIMEOUT_S)
+        self.applied.append(self.batch)
+        self.version += 1
+        return {"loss": 0.0}
+
+    def abort_train_step(self):
+        pass  # idempotent, as the Policy's: nothing open after a finish
+
+
+def test_a_finish_that_outlives_its_bound_but_completes_counts_its_step_once():
+    """finish_train_step outlives trainer_timeout_s, then completes on the policy thread before the abort
+    queued behind it: the optimizer step is applied, so the error says so and its groups are trained
+    (never trained again), the controller's trainer version and step follow the policy's."""
+    policy = _HeldFinishPolicy()
+
+    class ReleasingTrainer(PolicyTrainer):
+        async def abort(self) -> None:
+            policy.release.set()  # the controller gave up on the finish: let it complete, then abort
+            await super().abort()
+
+    trainer = ReleasingTrainer(policy)
+
+    async def prepare(group, version):
+        return group.prompt_id
+
+    ctrl = AsyncGRPOController(
+        cfg(num_steps=2, trainer_timeout_s=1.0),
+        fake_dataset(8),
+        [FakeRolloutWorker("w0")],
+        trainer,
+        prepare,
+        FAKE_LOSS,
+    )
+    with pytest.raises(
+        TrainerError, match="finish completed before the abort: its optimizer step is applied"
+    ):
+        bounded_run(ctrl.run())
+    assert policy.applied == [[0, 1]]
+    assert (ctrl.trainer_version, ctrl.step, trainer.version) == (1, 1, 1)
+    assert not {0, 1} & {g.prompt_id for g in ctrl.sampler.groups()}
+    bounded_run(ctrl.run())  # going on trains the next groups, not these again
+    assert policy.applied == [[0, 1], [2, 3]] and ctrl.trainer_version == policy.version == 2

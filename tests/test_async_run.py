@@ -22,6 +22,7 @@ import torch
 from helpers import actor_killer, assert_params_close, lagged_grpo_step, sync_config_like
 from helpers import small_async_grpo_cfg as small_cfg
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
+from posttrain.algorithms.async_grpo.contracts import AsyncGRPOError
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.run import (
     StepStats,
@@ -53,6 +54,7 @@ from posttrain.rollout.rows import (
     stack_rows,
 )
 from posttrain.tasks.build import build_task
+from posttrain.tasks.datasets import PromptDataset
 from posttrain.tasks.rewards import RewardError
 
 
@@ -216,6 +218,8 @@ def flaky_reward(tmp_path, monkeypatch):
         "    return [1.0] * len(completions)\n"
         "def always_fails(prompts, completions, metadata):\n"
         "    raise RuntimeError('broken reward')\n"
+        "def constant(prompts, completions, metadata):\n"
+        "    return [1.0] * len(completions)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "flaky_async_reward:reward"
@@ -251,6 +255,41 @@ def test_failed_rewards_are_masked_never_zero_and_a_reward_error_fails_the_group
     asyncio.run(asyncio.wait_for(body(), 60))
 
 
+def test_a_hung_reward_is_abandoned_and_never_holds_the_event_loop_open(tmp_path, monkeypatch):
+    """A reward that never returns: its call is cancelled (the controller's request timeout) and
+    asyncio.run returns at once; the reward's thread is left behind (a daemon), not joined."""
+    (tmp_path / "hung_async_reward.py").write_text(
+        "import threading\n"
+        "started, release, events = threading.Event(), threading.Event(), []\n"
+        "def reward(prompts, completions, metadata):\n"
+        "    started.set()\n"
+        "    release.wait(60)  # hung until the test lets it go\n"
+        "    events.append('reward returned')\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        worker = EngineRolloutWorker.build(
+            worker_config(small_cfg(tmp_path, "task.reward_fn=hung_async_reward:reward"))
+        )
+        hung = sys.modules["hung_async_reward"]
+
+        async def body():
+            call = asyncio.create_task(worker.generate_group(worker.task.train.items[0], 0))
+            while not hung.started.is_set():
+                await asyncio.sleep(0.01)
+            call.cancel()  # as the controller's request timeout does
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+        asyncio.run(body())
+        hung.events.append("run returned")
+        hung.release.set()
+        assert hung.events[0] == "run returned"
+    finally:
+        sys.modules.pop("hung_async_reward", None)
+
+
 def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, flaky_reward):
     broken = flaky_reward.replace(":reward", ":always_fails")
     with pytest.raises(
@@ -260,6 +299,27 @@ def test_a_broken_reward_stops_the_run_after_the_step_that_shows_it(tmp_path, fl
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["reward_failed_fraction"] == 1.0
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_dynamic_sampling_stops_a_run_whose_steps_never_fill(tmp_path, flaky_reward):
+    """Every group flat: the groups of a broken reward (all samples failed) and of a constant one. The run
+    stops with the reward's error (filtered groups' failures counted), or past (1 + refills) x target
+    groups filtered in a step, instead of drawing and filtering groups until the data runs out."""
+    common = ("grpo.dynamic_sampling=true", "grpo.val_at_start=false", "async_grpo.num_epochs=1")
+    broken = flaky_reward.replace(":reward", ":always_fails")
+    with pytest.raises(RewardError, match="step 1: the reward function .*always_fails. failed on 100% of"):
+        run_async_grpo(small_cfg(tmp_path / "broken", f"task.reward_fn={broken}", *common))
+    constant = flaky_reward.replace(":reward", ":constant")
+    cfg = small_cfg(
+        tmp_path / "flat", f"task.reward_fn={constant}", "grpo.dynamic_sampling_max_refills=1", *common
+    )
+    with pytest.raises(
+        AsyncGRPOError,
+        match="step 1: grpo.dynamic_sampling filtered 9 prompt groups .* grpo.dynamic_sampling_max_refills=1",
+    ):
+        run_async_grpo(cfg)
+    for out in ("broken", "flat"):
+        assert not [r for r in read_metrics(tmp_path / out / "metrics.jsonl") if "train/loss" in r]
 
 
 @pytest.mark.parametrize(
@@ -441,6 +501,35 @@ def test_local_run_logs_validates_checkpoints_and_resumes(tmp_path):
         assert r["train/importance_weight"] > 0 and 0 <= r["staleness/max"] <= 1
         assert r["weight_sync/probe_max_abs_diff"] < 1e-4 and not math.isnan(r["reward"])
     assert (out / "checkpoints" / "step_4" / "metadata.json").is_file()
+
+
+def test_a_refused_resume_releases_the_policy_and_leaves_a_callers_policy_unloaded(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run_async_grpo(small_cfg(out, "async_grpo.num_steps=1", "grpo.val_at_start=false"))
+    built, shut = [], []
+    init, shutdown = Policy.__init__, Policy.shutdown
+    monkeypatch.setattr(
+        Policy, "__init__", lambda self, *a, **k: (built.append(self), init(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(Policy, "shutdown", lambda self: (shut.append(self), shutdown(self))[1])
+    # a config the checkpoint refuses: the Policy the run built for it is shut down
+    with pytest.raises(ValueError, match="async_grpo.max_staleness"):
+        run_async_grpo(small_cfg(out, "async_grpo.num_steps=2", "async_grpo.max_staleness=2"))
+    assert len(built) == 1 and shut == built
+    # another dataset's data position is refused before the checkpoint loads into the caller's policy
+    cfg = small_cfg(out, "async_grpo.num_steps=2")
+    policy = Policy(cfg.policy)
+    before = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    monkeypatch.setattr(PromptDataset, "fingerprint", lambda self: "an-edited-dataset")
+    with pytest.raises(
+        ValueError, match="fingerprint=.* but this dataset has fingerprint='an-edited-dataset'"
+    ):
+        run_async_grpo(cfg, policy=policy)
+    assert policy.get_states()[0]["trainer_version"] == 0
+    after = policy.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert shut == built[:1]  # the caller's policy is the caller's to shut down
+    policy.shutdown()
 
 
 def test_skipping_the_prev_logprob_pass_trains_exactly_like_computing_it(tmp_path, monkeypatch):

@@ -33,7 +33,12 @@ class GRPOLoopConfig(GroupConfig):
         "refill) from the next pass (grpo-async's async_grpo.num_epochs draws each prompt exactly that often)",
     )
     dynamic_sampling: bool = Field(False, description="drop groups with zero reward variance, refill")
-    dynamic_sampling_max_refills: int = Field(2, ge=0, description="extra prompt batches per step at most")
+    dynamic_sampling_max_refills: int = Field(
+        2,
+        ge=0,
+        description="extra prompt batches per step at most (grpo-async: more than (1 + this) x "
+        "async_grpo.target_prompt_groups_per_step groups filtered in one step stop the run)",
+    )
     sample_seeds: Literal["step", "group"] = Field(
         "step",
         description="step: one seed per step's prompt batch (sample i of the step draws random stream i); "

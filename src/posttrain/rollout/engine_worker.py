@@ -9,7 +9,9 @@ are marked and masked, never 0. Departures from the synchronous loop:
   engine's random stream k of that seed, so a group retried after its worker died is drawn again
   identically, whatever worker takes it; the G requests of all the groups of a call enter the
   engine together;
-- the rewards of a call's groups run in one call on a thread once they are generated.
+- the rewards of a call's groups run in one call on a daemon thread once they are generated (never the
+  event loop's executor, which `asyncio.run` joins without a bound: a reward that hangs past the
+  controller's request timeout is abandoned, and the run still ends).
   `task.reward.max_failed_fraction` is checked per step by the trainer side, not per group; a
   `RewardError` (`on_reward_error: raise`) fails its group alone (a result with `error`): the group is
   retried, then reported (`max_retries`);
@@ -30,6 +32,7 @@ import time
 from typing import Any
 
 from posttrain.envs.build import EnvSuite, build_env
+from posttrain.envs.tools import daemon_call
 from posttrain.generation.engine import GenerationEngine
 from posttrain.generation.params import GenerationResult
 from posttrain.generation.payload import WeightsPayload
@@ -151,7 +154,7 @@ class EngineRolloutWorker(RolloutWorker):
             return await self._play_scored(prompts, weight_version)
         g = self.cfg.group.num_generations_per_prompt
         generated = await asyncio.gather(*(self._generate(p, weight_version, g) for p in prompts))
-        return await asyncio.to_thread(self._score_groups, prompts, generated, weight_version)
+        return await daemon_call(self._score_groups, prompts, generated, weight_version)
 
     async def _play_scored(self, prompts: list[PromptItem], weight_version: int) -> list[GroupResult]:
         """An environment's episodes: each group's trajectories played concurrently, the rewards the
@@ -177,7 +180,7 @@ class EngineRolloutWorker(RolloutWorker):
             metrics = {**summary, "generation_s": seconds, **self._sync_metrics}
             samples = GroupSamples(prompt.prompt_id, trajs, rewards.tolist(), failed.tolist(), metrics)
             out.append(GroupResult(samples, stamp, g))
-        await asyncio.to_thread(attach_rows, [r.samples for r in out], self.cfg.group, self._pad_id)
+        await daemon_call(attach_rows, [r.samples for r in out], self.cfg.group, self._pad_id)
         return out
 
     def _requests(self, prompt: PromptItem, weight_version: int) -> tuple[list[int], Any]:
@@ -251,7 +254,7 @@ class EngineRolloutWorker(RolloutWorker):
             t0 = time.perf_counter()
             await self.engine.load_weights_async(weights.state, version)
             seconds = time.perf_counter() - t0
-            await asyncio.to_thread(self._check_loaded, weights, version, seconds)
+            await daemon_call(self._check_loaded, weights, version, seconds)
         except Exception as e:  # a cancelled push is not a failed load: the controller pushes again
             self._mark_broken(f"loading weight version {version} failed", e)
             raise

@@ -131,9 +131,11 @@ def start_ray_workers(
     actors = [actor_cls.remote(cfg, name, rollout.torch_threads) for name in names]
     try:
         ray.get([a.ready.remote() for a in actors], timeout=rollout.timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        for a in actors:
+    except BaseException as e:  # one actor died building its engine, the wait timed out, Ctrl-C...
+        for a in actors:  # the caller gets no handles: the actors that did start die here
             ray.kill(a)
+        if not isinstance(e, ray.exceptions.GetTimeoutError):
+            raise
         raise TimeoutError(
             f"the rollout actors did not start within rollout.timeout_s={rollout.timeout_s}s "
             "(not enough free CPUs/GPUs in the Ray cluster for rollout.num_cpus_per_worker?)"

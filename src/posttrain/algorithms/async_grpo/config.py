@@ -129,7 +129,6 @@ _UNUSED = {
     ("grpo", "num_prompts_per_step"): "set async_grpo.target_prompt_groups_per_step instead",
     ("grpo", "max_num_steps"): "set async_grpo.num_steps instead",
     ("grpo", "max_num_epochs"): "set async_grpo.num_epochs instead",
-    ("grpo", "dynamic_sampling_max_refills"): "remove it",
     ("grpo", "sample_seeds"): "it always seeds each group by (grpo.seed, prompt, weight version), as "
     "grpo.sample_seeds=group does in grpo; remove it",
     ("async_grpo", "seed"): _ORDER + "set grpo.seed (or task.seed) instead",

@@ -83,7 +83,8 @@ class Trainer(Protocol):
         ...
 
     async def abort(self) -> None:
-        """Drop the open step; idempotent, `version` unchanged."""
+        """Drop the open step; idempotent. A finish that outlived its bound but completed before the abort
+        ran is not undone: `version` then counts its step (the controller marks its groups trained)."""
         ...
 
     async def export_weights(self) -> Any:

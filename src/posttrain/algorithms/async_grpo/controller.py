@@ -225,6 +225,8 @@ class AsyncGRPOController:
             return await bounded(aw, self._trainer_bound(), f"trainer {what}()")
         except WaitTimeout as e:
             raise TrainerError(f"{e} (trainer_timeout_s); the open step is aborted") from None
+        except AsyncGRPOError:  # a trainer's or hook's own verdict (a hook may stop the run): as it is
+            raise
         except Exception as e:
             raise TrainerError(f"trainer {what}() failed: {type(e).__name__}: {e}") from e
 
@@ -260,31 +262,47 @@ class AsyncGRPOController:
                 return None
             self.pool.pause()  # no dispatch between finish and the new weights going out
             train_metrics = await self._trainer_call("finish", self.trainer.finish())
-        except BaseException:
-            await self._abort_step(opened, taken)
+        except BaseException as e:
+            if await self._abort_step(opened, taken, trained) and isinstance(e, Exception):
+                raise TrainerError(
+                    f"{e}; but the step's finish completed before the abort: its optimizer step is applied "
+                    f"(trainer version {self.trainer_version}), its {len(trained)} groups are marked trained"
+                ) from e
             raise
         finally:
             self._in_step = False
         return await self._close_step(trained, train_metrics)
 
-    async def _abort_step(self, opened: bool, taken: list[BufferedGroup]) -> None:
-        """Give the step's groups back to the buffer and abort the trainer's open step (bounded)."""
-        for g in taken:
-            self.ledger.move(g.group_id, GroupState.BUFFERED)
-            self.sampler.add(g, keep_order=True)
+    async def _abort_step(
+        self, opened: bool, taken: list[BufferedGroup], trained: list[BufferedGroup]
+    ) -> bool:
+        """Abort the trainer's open step (bounded) and give the step's groups back to the buffer. True when
+        the step was applied all the same (a finish that outlived its bound, then completed): its groups
+        are then trained, the trainer's version and the step counted (never trained twice)."""
         self._step_groups = 0
         self.pool.resume()
-        if not opened:
-            return
         try:
-            await bounded(self.trainer.abort(), self._trainer_bound(), "trainer abort()")
+            if opened:
+                await bounded(self.trainer.abort(), self._trainer_bound(), "trainer abort()")
         except Exception as e:
+            self._give_back(taken)
             raise TrainerError(
                 f"abort_train_step failed after a failed step ({type(e).__name__}: {e}); the trainer's state is "
                 "unknown: restart from the last checkpoint"
             ) from e
+        applied = opened and self.trainer.version != self.trainer_version
+        if applied:
+            self._count_step(trained)
+        self._give_back([g for g in taken if not applied or g not in trained])
+        return applied
 
-    async def _close_step(self, trained: list[BufferedGroup], train_metrics: dict[str, float]) -> dict:
+    def _give_back(self, groups: list[BufferedGroup]) -> None:
+        for g in groups:
+            self.ledger.move(g.group_id, GroupState.BUFFERED)
+            self.sampler.add(g, keep_order=True)
+
+    def _count_step(self, trained: list[BufferedGroup]) -> int:
+        """The step's groups trained, the trainer's new version and the step counted; the new version."""
         old, new = self.trainer_version, self.trainer.version
         if new not in (old, old + 1):
             raise AsyncGRPOError(f"trainer version went from {old} to {new} in one finish(); expected +1")
@@ -296,6 +314,11 @@ class AsyncGRPOController:
         self._step_groups = 0
         for g in self.sampler.evict_stale(new):
             self._drop_stale(g)
+        return new
+
+    async def _close_step(self, trained: list[BufferedGroup], train_metrics: dict[str, float]) -> dict:
+        old = self.trainer_version
+        new = self._count_step(trained)
         if self.cfg.num_steps is None or self.step < self.cfg.num_steps:  # no export after the last step
             await self._publish(new)
         lags = [g.lag(old) for g in trained]
@@ -411,8 +434,7 @@ class AsyncGRPOController:
         """Restore a `state_dict()` into a fresh controller (before `run()`)."""
         if self._running or self.ledger.retained():
             raise RuntimeError("load_state_dict() needs a fresh controller that has not run yet")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")
+        check_state(state, self.pool.cursor)
         if state["buffer"] and self.samples_codec is None:
             raise ValueError(
                 "the controller state holds buffered samples; pass the samples_codec that saved them"
@@ -433,6 +455,14 @@ class AsyncGRPOController:
             group = BufferedGroup(**fields, samples=self.samples_codec.decode(item["samples"]))
             self.ledger.move(group.group_id, GroupState.BUFFERED)
             self.sampler.add(group, keep_order=True)
+
+
+def check_state(state: dict[str, Any], cursor: PromptCursor) -> None:
+    """Refuse a controller `state_dict()` of another format, or whose data position is of another
+    dataset or seed than `cursor`'s (nothing changes: a run checks this before its checkpoint loads)."""
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"controller state format {state.get('format')!r} is not {STATE_FORMAT}")
+    cursor.check_state_dict(state["cursor"])
 
 
 _BUFFER_KEYS = ("group_id", "prompt_id", "weight_version", "order", "num_samples", "retries")

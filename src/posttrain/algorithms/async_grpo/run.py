@@ -13,6 +13,8 @@ Departures from the synchronous loop (besides streaming, see controller.py):
 - steps are sized by `async_grpo.target_prompt_groups_per_step` and counted by `async_grpo.num_steps`
   (the `grpo` section keeps the group size, advantages, validation and seed);
 - `grpo.dynamic_sampling` filters zero-variance groups as they arrive; the step fills up with others;
+  more than (1 + `grpo.dynamic_sampling_max_refills`) x target groups filtered in one step, or failed
+  rewards (filtered groups' counted) over `task.reward.max_failed_fraction`, stop the run;
 - the loss is `async_grpo.loss`: truncated importance sampling against the generation logprobs is on
   by default, since samples may come from weights up to `max_staleness` versions old;
 - groups of a step are trained in chunks of at least `train_chunk_rows` rows: a chunk's groups become
@@ -40,8 +42,8 @@ import numpy as np
 import torch
 
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
-from posttrain.algorithms.async_grpo.contracts import PrepareGroup
-from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunSummary
+from posttrain.algorithms.async_grpo.contracts import AsyncGRPOError, PrepareGroup
+from posttrain.algorithms.async_grpo.controller import AsyncGRPOController, RunSummary, check_state
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
 from posttrain.algorithms.async_grpo.trainer import ChunkedTrainer, PolicyTrainer
 from posttrain.algorithms.checkpointing import CheckpointManager
@@ -94,9 +96,36 @@ def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: Step
         s: GroupSamples = group.samples
         flat = cfg.grpo.dynamic_sampling and _zero_variance(s)
         stats.add(s, flat)
+        if flat:  # the step does not fill: a broken reward, or every group flat, stops it here
+            _check_filtered(cfg, stats, trainer_version + 1)  # one step, one version
         return None if flat else s
 
     return prepare
+
+
+def _check_filtered(cfg: AsyncGRPORunConfig, stats: StepStats, step: int) -> None:
+    """With dynamic sampling, once a step has seen a step's worth of groups: their failed rewards,
+    filtered groups' included, against task.reward.max_failed_fraction (a reward failing on every
+    sample leaves every group flat, and no step would ever be trained to check it); and at most
+    (1 + grpo.dynamic_sampling_max_refills) x target groups filtered, as the synchronous loop draws at
+    most that many batches per step."""
+    target = cfg.async_grpo.target_prompt_groups_per_step
+    if len(stats.groups) >= target:
+        check_failed_rewards(cfg, step, stats.failed_fraction(), FailedRewardsError)
+    filtered = sum(flat for _, flat in stats.groups)
+    most = (1 + cfg.grpo.dynamic_sampling_max_refills) * target
+    if filtered > most:
+        raise AsyncGRPOError(
+            f"step {step}: grpo.dynamic_sampling filtered {filtered} prompt groups with equal rewards, more "
+            f"than (1 + grpo.dynamic_sampling_max_refills={cfg.grpo.dynamic_sampling_max_refills}) x "
+            f"async_grpo.target_prompt_groups_per_step={target}, and the step is not full: the task is "
+            "too easy or too hard for the policy (or the reward gives every sample the same value). Raise "
+            "grpo.dynamic_sampling_max_refills, or set grpo.dynamic_sampling=false"
+        )
+
+
+class FailedRewardsError(RewardError, AsyncGRPOError):
+    """Too many failed rewards, found while a step fills (the controller stops the run with it)."""
 
 
 def _zero_variance(s: GroupSamples) -> bool:
@@ -138,7 +167,12 @@ class StepStats:
     def add(self, samples: GroupSamples, filtered: bool) -> None:
         self.groups.append((samples, filtered))
 
+    def failed_fraction(self) -> float:
+        """The failed rewards' share of the step's samples, filtered groups' included."""
+        return sum(sum(s.failed) for s, _ in self.groups) / max(sum(len(s.failed) for s, _ in self.groups), 1)
+
     def pop(self) -> dict[str, float]:
+        failed, fraction = float(sum(sum(s.failed) for s, _ in self.groups)), self.failed_fraction()
         groups, self.groups = self.groups, []
         kept = [s for s, filtered in groups if not filtered]
         rewards = [r for s in kept for r, f in zip(s.rewards, s.failed) if not f]
@@ -146,8 +180,8 @@ class StepStats:
         n = max(len(results), 1)
         out = {
             "reward": sum(rewards) / len(rewards) if rewards else math.nan,
-            "reward_failed": float(sum(sum(s.failed) for s in kept)),
-            "reward_failed_fraction": sum(sum(s.failed) for s in kept) / n,
+            "reward_failed": failed,  # of every sample the step drew, filtered groups' included
+            "reward_failed_fraction": fraction,
             "groups_dropped_zero_variance": float(len(groups) - len(kept)),
             "completion_length": sum(len(r.token_ids) for r in results) / n,
             "truncated_fraction": sum(r.finish_reason == "length" for r in results) / n,
@@ -255,6 +289,11 @@ def build_loss(cfg: AsyncGRPORunConfig, skip_prev: bool) -> LossFn:
     return ClippedPGLoss(loss_cfg)
 
 
+RESUME_HINT = (
+    "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
+)
+
+
 def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     """Policy (restored from a checkpoint if one is found), task, rollout workers holding the policy's
     weights, controller. The run's files (config, metrics) are `run_async_grpo`'s."""
@@ -271,17 +310,6 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
             samples,
             samples,
         )
-    try:
-        check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
-    except ValueError:
-        if own_policy:
-            policy.shutdown()
-        raise
-    ckpt = CheckpointManager(cfg.checkpointing, parts.out)
-    hint = "resume it with `posttrain grpo`, choose another output_dir, or start over here with --overwrite"
-    extra = resume(
-        policy, ckpt, _resume_view(cfg), RESUME_MAY_CHANGE, requires="controller", hint=hint, config=cfg
-    )
     mb = cfg.policy.microbatch
     chunk = cfg.train_chunk_rows or max(mb.train_micro_batch_size, mb.logprob_micro_batch_size)
     reference = cfg.async_grpo.loss.reference_policy_kl_penalty > 0
@@ -291,6 +319,20 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
     trainer: ChunkedTrainer | None = None
     actors: list[Any] = []
     try:  # whatever fails from here releases what was started (and the policy, when this run built it)
+        check_context(cfg.generation, cfg.sampling, task, cfg.policy.model, tokenizer)
+        ckpt = CheckpointManager(cfg.checkpointing, parts.out)
+        cursor = task.train.new_cursor(cfg.async_grpo.num_epochs)
+        extra = resume(
+            policy,
+            ckpt,
+            _resume_view(cfg),
+            RESUME_MAY_CHANGE,
+            requires="controller",
+            hint=RESUME_HINT,
+            config=cfg,
+            # another dataset's position: refused before the checkpoint loads into the policy
+            check=lambda extra: check_state(extra["controller"], cursor),
+        )
         if cfg.distill is not None:
             check_same_vocabulary(cfg.policy, cfg.distill.teacher, cfg.distill.top_k)
             teacher = TeacherPolicy(teacher_config(cfg.distill.teacher))
@@ -314,7 +356,7 @@ def setup(cfg: AsyncGRPORunConfig, policy: Policy | None = None) -> AsyncRun:
             prepare_samples(cfg, trainer, stats),
             build_loss(cfg, skip_prev),
             samples_codec=SAMPLES_CODEC,
-            cursor=task.train.new_cursor(cfg.async_grpo.num_epochs),
+            cursor=cursor,
         )
         if extra is not None:
             controller.load_state_dict(extra["controller"])
@@ -386,14 +428,15 @@ def validate_now(run: AsyncRun) -> dict[str, float]:
     return out
 
 
-def check_failed_rewards(cfg: AsyncGRPORunConfig, step: int, metrics: dict[str, float]) -> None:
+def check_failed_rewards(
+    cfg: AsyncGRPORunConfig, step: int, frac: float, error: type[RewardError] = RewardError
+) -> None:
     """`task.reward.max_failed_fraction` over the step's samples (the rollout workers score per group
     and do not check it): a broken reward function stops the run, as in the synchronous loop."""
     reward = cfg.task.reward
-    frac = metrics["reward_failed_fraction"]
     if reward.on_reward_error == "skip_sample" and frac > reward.max_failed_fraction:
         fn = f"the reward function {cfg.task.reward_fn!r}" if cfg.task.reward_fn else "the task's reward"
-        raise RewardError(
+        raise error(
             f"step {step}: {fn} failed on {frac:.0%} of the samples, more than "
             f"task.reward.max_failed_fraction={reward.max_failed_fraction} (the rollout workers' log "
             "names the first error). Fix the reward function, or raise task.reward.max_failed_fraction "
@@ -440,7 +483,7 @@ async def train(
             metrics.update(await run.trainer.call(validate_now, run))
         metrics_log.log(metrics, step)
         progress.update(step, metrics)
-        check_failed_rewards(cfg, step, metrics)
+        check_failed_rewards(cfg, step, metrics["reward_failed_fraction"])
         if run.ckpt.should_save(step, num_steps or -1):
             await save(step, metrics)
         if hook is not None:

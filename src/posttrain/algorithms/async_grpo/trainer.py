@@ -187,6 +187,8 @@ class PolicyTrainer(Trainer):
 
     async def abort(self) -> None:
         await self.call(self.policy.abort_train_step)
+        # a timed-out finish ran on before the abort (the calls are serial): its step may be applied
+        self._version = await self.call(self._read_version)
 
     async def export_weights(self) -> Any:
         return await self.call(self.export_fn) if self.export_fn is not None else None
