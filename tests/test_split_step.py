@@ -109,6 +109,35 @@ def test_failed_microbatch_then_abort_equals_run_without_it():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_finish_that_fails_aborts_the_step_and_the_next_equals_a_clean_one():
+    """finish_train_step failing after the gradients were scaled (here the optimizer's step: e.g. an
+    out-of-memory error allocating its state) aborts the step on the worker as the driver marks it:
+    nothing applied, no gradients kept (finishing again would scale them twice), and the next step
+    equals a clean run's first."""
+    batch = random_batch(8, 16, rl=True)
+    clean = Policy(policy_cfg())
+    m_clean = clean.train(batch, ClippedPGLoss())
+    faulty = Policy(policy_cfg())
+    worker = faulty.group.workers[0]
+    real_step = worker.optimizer.step
+    worker.optimizer.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected: no memory"))
+    faulty.begin_train_step(ClippedPGLoss())
+    faulty.train_microbatch(batch)
+    with pytest.raises(RuntimeError, match="injected: no memory"):
+        faulty.finish_train_step()
+    state = faulty.get_states()[0]
+    assert not faulty.lifecycle.step_open and not state["step_open"] and state["trainer_version"] == 0
+    assert all(p.grad is None for p in worker.model.parameters())
+    assert worker.scheduler.last_epoch == 0
+    faulty.prepare_for_lp_inference()  # the driver's phase is the worker's
+    faulty.prepare_for_training()
+    worker.optimizer.step = real_step
+    m = faulty.train(batch, ClippedPGLoss())
+    assert m["loss"] == pytest.approx(m_clean["loss"], rel=1e-6)
+    a, b = params_of(clean), params_of(faulty)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_lifecycle_errors():
     policy = Policy(policy_cfg())
     batch = random_batch(8, 16)

@@ -29,7 +29,7 @@ from posttrain.generation.weight_sync import (
     sync_model,
     unpack_bucket,
 )
-from posttrain.models.hf import build_tiny_model
+from posttrain.models.hf import TinyModelConfig, build_tiny_model
 from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.policy.policy import Policy
 
@@ -78,6 +78,26 @@ def test_in_process_copy_sync_after_training():
     assert [r.token_ids for r in after] == fresh_outputs(policy.full_state_dict())
     assert [r.token_ids for r in after] != before  # training (lr 1e-2) changed the greedy outputs
     assert {r.weight_version for r in after} == {2}
+
+
+def test_tied_embeddings_are_sent_once_and_the_engine_follows():
+    """A tied model's embedding and LM head are one tensor: a sync sends it once (it went twice: two
+    gathers, two host copies, twice in a payload), and the engine, tied the same way, scores as the
+    trainer after training."""
+    tied = {"tie_word_embeddings": True}
+    policy = Policy(policy_cfg(model={"tiny": tied}))
+    sent = policy.engine_state_dict()
+    assert "model.embed_tokens.weight" in sent and "lm_head.weight" not in sent
+    streamed: list[str] = []
+    policy.send_weights(lambda pairs, rank: streamed.extend(n for n, _ in pairs) or {}, 0)
+    assert sorted(streamed) == sorted(sent)
+    engine = GenerationEngine(*model_parts("tiny", 77, TinyModelConfig(**tied)))
+    sync = WeightSync(WeightSyncConfig(), VOCAB)
+    train(policy)
+    metrics = sync.sync_local(policy, engine, version_of(policy))
+    assert metrics["probe_max_abs_diff"] < 1e-5
+    # an untied engine loaded with both names (the full state dict) generates the same
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == fresh_outputs(policy.full_state_dict())
 
 
 def share_engine(policy) -> GenerationEngine:

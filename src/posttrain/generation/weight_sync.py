@@ -76,7 +76,7 @@ def sync_model(model: torch.nn.Module, engine: GenerationEngine, version: int, s
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise ValueError("share=True needs unsharded parameters; FSDP-sharded trainers sync by copy")
         return engine.share_weights(model.state_dict(), version)
-    return engine.load_weights(iter_full_weights(model), version)
+    return engine.load_weights(iter_full_weights(model, unique=True), version)
 
 
 # ---------------------------------------------------------------------------- buckets

@@ -33,11 +33,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(model: torch.nn.Module, unique: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for each entry of the model's state dict (parameters and persistent buffers),
     gathering DTensor shards one tensor at a time. Under FSDP2 or TP every rank must consume the
-    iterator in step (each gather is a collective)."""
-    for name, t in model.state_dict().items():
+    iterator in step (each gather is a collective). `unique`: a tensor the state dict lists under
+    several names (tied embeddings) comes once, under its first name (what a weight sync sends: the
+    receiving model is tied the same way)."""
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if unique:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
         yield name, full_tensor(t).detach()
 
 

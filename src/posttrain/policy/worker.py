@@ -286,7 +286,16 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
 
     @verb(*TRAIN_ONLY, collective=True, in_step=True)
     def finish_train_step(self) -> dict[str, float]:
-        """Reduce counts and metrics over ranks, scale gradients by 1/N, clip, step optimizer and scheduler."""
+        """Reduce counts and metrics over ranks, scale gradients by 1/N, clip, step optimizer and scheduler.
+        Whatever fails on the way (an allocation of the optimizer's state, a collective) aborts the step
+        before the error propagates: the gradients were scaled, so the step cannot be finished again."""
+        try:
+            return self._finish_step()
+        except BaseException:
+            self.abort_train_step()
+            raise
+
+    def _finish_step(self) -> dict[str, float]:
         step = self._step
         assert step is not None
         metrics, seqs, toks, nonfinite = reduce_step(step, self._all_reduce)
@@ -430,17 +439,17 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
 
     # ------------------------------------------------------------------ weights
 
-    def _full_weights(self, adapters_only: bool = False):
+    def _full_weights(self, adapters_only: bool = False, unique: bool = False):
         """(name, full tensor) of the model under its Hugging Face names, gathered one tensor at a time
         (collective under FSDP2/TP): with LoRA, merged (base + scaling * B @ A) or, with
-        `adapters_only`, the adapter tensors alone."""
+        `adapters_only`, the adapter tensors alone; `unique`: tied tensors once (a weight sync's)."""
         if self.cfg.lora is None:
-            return iter_full_weights(self.model)
+            return iter_full_weights(self.model, unique)
         if adapters_only:
             return (
                 (n, full_tensor(p).detach()) for n, p in self.model.named_parameters() if is_adapter_key(n)
             )
-        return merged_weights(iter_full_weights(self.model), scalings(self.model))
+        return merged_weights(iter_full_weights(self.model, unique), scalings(self.model))
 
     def _engine_adapters_only(self) -> bool:
         return self.cfg.lora is not None and self.cfg.lora.engine == "adapters"
@@ -455,11 +464,10 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
 
     @verb(*ON_DEVICE, collective=True)
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """What weight sync sends to an engine, on the host: the full state dict, or with
-        `policy.lora.engine=adapters` the adapter tensors alone."""
-        if not self._engine_adapters_only():
-            return self.full_state_dict()
-        return {name: t.to("cpu", copy=True) for name, t in self._full_weights(adapters_only=True)}
+        """What weight sync sends to an engine, on the host: the full state dict (a tied tensor once), or
+        with `policy.lora.engine=adapters` the adapter tensors alone."""
+        only = self._engine_adapters_only()
+        return {name: t.to("cpu", copy=True) for name, t in self._full_weights(only, unique=True)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -545,7 +553,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         """Stream what `engine_state_dict` holds, one gathered tensor at a time, into
         `sink(named_tensors, rank)` (e.g. generation.weight_sync.BroadcastSink): rank 0 sends straight to
         the engines, not through the driver. Collective under FSDP (every rank gathers)."""
-        return sink(self._full_weights(self._engine_adapters_only()), self.rank)
+        return sink(self._full_weights(self._engine_adapters_only(), unique=True), self.rank)
 
     @verb(*ON_DEVICE, collective=True)
     def save_hf(self, out_dir: str) -> None:
