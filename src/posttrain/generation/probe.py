@@ -5,7 +5,14 @@ distinct tokens as its size allows) is scored by the trainer before the refit an
 after it. The max and mean absolute logprob difference are metrics; above `max_abs_diff` the sync
 fails with `WeightSyncError`. Stale, corrupted or half-loaded weights move the engine's logprobs far
 more than float noise (fp32: ~1e-6). The batch is small (4 x 16 tokens by default: one short forward
-on each side) because every weight except the embedding rows of tokens it lacks shapes every logprob.
+on each side) because in a dense model every weight except the embedding rows of tokens it lacks
+shapes every logprob.
+
+What it does not see: an MoE expert that none of the probe's tokens is routed to (with 64 experts and
+top-2, a 48-token probe left 16 of a layer's experts unrouted; corrupting them passed), and a change
+smaller than `max_abs_diff` (weights one optimizer step stale at lr 1e-6 moved the tiny model's
+logprobs by 1.3e-4). The weight version each load carries is what tells stale weights apart there;
+more probe rows (`num_sequences`, `max_length`) route more experts.
 """
 
 from __future__ import annotations
