@@ -322,6 +322,30 @@ def test_dynamic_sampling_stops_a_run_whose_steps_never_fill(tmp_path, flaky_rew
         assert not [r for r in read_metrics(tmp_path / out / "metrics.jsonl") if "train/loss" in r]
 
 
+def test_a_mostly_flat_step_goes_on_filling(tmp_path):
+    """Past (1 + refills) x target filtered groups, a step that kept one goes on (mostly flat steps are
+    common early on hard tasks; the run stopped at random there); one that kept none stops the run."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.async_grpo.run import StepStats, _check_filtered
+
+    cfg = small_cfg(tmp_path, "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_refills=1")
+    most = 2 * cfg.async_grpo.target_prompt_groups_per_step
+    group = SimpleNamespace(failed=[False] * 4)
+    stats = StepStats()
+    stats.add(group, False)
+    for _ in range(most + 3):
+        stats.add(group, True)
+        _check_filtered(cfg, stats, 1)
+    flat = StepStats()
+    for _ in range(most):
+        flat.add(group, True)
+        _check_filtered(cfg, flat, 1)
+    flat.add(group, True)
+    with pytest.raises(AsyncGRPOError, match=f"filtered {most + 1} prompt groups .* and kept none"):
+        _check_filtered(cfg, flat, 1)
+
+
 @pytest.mark.parametrize(
     "loop",
     [

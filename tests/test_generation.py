@@ -920,6 +920,40 @@ def test_a_failed_asyncio_request_leaves_nothing_in_the_engine():
     assert engine._parked == [] and list(engine.iter_results()) == []
 
 
+def test_asyncio_requests_a_failed_clean_up_leaves_behind_stay_theirs():
+    """A failed step whose clean-up fails too (the slots cannot be released): the requests it could not
+    take out keep their asyncio ids, so when a step() caller later finishes them, their results go to
+    their own (failed) side, never to that caller."""
+    prompts = prompts_of([4, 6, 5])
+    params = SamplingParams(max_new_tokens=6, seed=2, stop_at_eos=False)
+    engine = make_engine(max_num_seqs=2)
+    steps, real_decode, real_release = [], engine._decode, engine._release
+
+    def failing_decode():
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("decode exploded")
+        return real_decode()
+
+    def failing_release(slots):
+        raise RuntimeError("release exploded")
+
+    engine._decode, engine._release = failing_decode, failing_release
+
+    async def failing():
+        with pytest.raises(RuntimeError, match="decode exploded"):
+            await engine.agenerate_all(prompts, params)
+
+    asyncio.run(asyncio.wait_for(failing(), 30))
+    engine._decode, engine._release = real_decode, real_release
+    left = {r.request_id for r in engine._active}
+    assert left and left <= engine._async_ids  # the decoding ones stayed, still asyncio requests
+    handed = []
+    while engine.has_unfinished():
+        handed += engine.step()
+    assert handed == [] and list(engine.iter_results()) == []
+
+
 def test_mistral_sliding_window_shorter_than_the_context_is_windowed():
     """Mistral configs set `sliding_window` without a `use_sliding_window` flag: a window shorter than
     the engine's context is applied (ring buffers of the window, no lean decoder; exactness in
@@ -928,3 +962,20 @@ def test_mistral_sliding_window_shorter_than_the_context_is_windowed():
     engine = GenerationEngine(model, TOK, GenerationConfig(max_model_len=64))
     assert engine.cache.capacities == [16] and engine._lean is None
     assert GenerationEngine(model, TOK, GenerationConfig(max_model_len=16))._lean is not None
+
+
+def test_a_config_of_another_vocabulary_adds_no_eos_id():
+    """A model config or generation config whose EOS list lacks the tokenizer's EOS is another
+    vocabulary's (a tiny model's config says 2 while a real tokenizer's EOS is, e.g., 151645): its ids
+    are ordinary tokens here and stop nothing; a list that holds it adds its other ids."""
+    from types import SimpleNamespace
+
+    from posttrain.generation.requests import eos_token_ids
+
+    model = build_tiny_model(VOCAB, seed=2)
+    model.config.eos_token_id = 2
+    model.generation_config.eos_token_id = [2, 9]
+    assert eos_token_ids(SimpleNamespace(eos_token_id=40), model) == (40,)
+    model.generation_config.eos_token_id = [40, 9]
+    assert eos_token_ids(SimpleNamespace(eos_token_id=40), model) == (40, 9)
+    assert eos_token_ids(None, model) == (2, 40, 9)

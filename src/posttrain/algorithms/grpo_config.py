@@ -37,7 +37,7 @@ class GRPOLoopConfig(GroupConfig):
         2,
         ge=0,
         description="extra prompt batches per step at most (grpo-async: more than (1 + this) x "
-        "async_grpo.target_prompt_groups_per_step groups filtered in one step stop the run)",
+        "async_grpo.target_prompt_groups_per_step groups filtered in a step that kept none stop the run)",
     )
     sample_seeds: Literal["step", "group"] = Field(
         "step",

@@ -100,13 +100,18 @@ def eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     """Every EOS id of a model, first the tokenizer's, then those of the model config's and of its
     generation config's `eos_token_id` (an id or a list), without repeats. transformers.generate and
     vLLM stop at each id of the generation config's list: Qwen2.5-Instruct ends a turn with <|im_end|>
-    and a document with <|endoftext|>, Llama-3-Instruct with <|eot_id|> and <|end_of_text|>."""
-    found: list[int] = []
-    for source in (tokenizer, model.config, getattr(model, "generation_config", None)):
+    and a document with <|endoftext|>, Llama-3-Instruct with <|eot_id|> and <|end_of_text|>. With a
+    tokenizer that has an EOS, a config's list counts only if it holds that EOS: a model paired with
+    another vocabulary's tokenizer (a tiny model's config says 2, an ordinary token of most vocabularies)
+    must not stop at an ordinary token."""
+    own = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    found: list[int] = [] if own is None else [int(own)]
+    for source in (model.config, getattr(model, "generation_config", None)):
         ids = getattr(source, "eos_token_id", None)
-        for t in ids if isinstance(ids, (list, tuple)) else [ids]:
-            if t is not None and int(t) not in found:
-                found.append(int(t))
+        listed = [int(t) for t in (ids if isinstance(ids, (list, tuple)) else [ids]) if t is not None]
+        if own is not None and int(own) not in listed:
+            continue  # another vocabulary's ids
+        found += [t for t in listed if t not in found]
     return tuple(found)
 
 

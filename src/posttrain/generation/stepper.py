@@ -241,15 +241,22 @@ class AsyncStepping:
         in; their ids (their waiters get the error)."""
         with self._lock, torch.inference_mode():  # the slot state is made of inference tensors
             ids = set(self._async_ids)
+            dropped: set[int] = set()
             try:
-                for r in [r for r in self._waiting if r.request_id in ids]:
+                # a copy first: submit() appends to the queue from other threads without the lock
+                for r in [r for r in list(self._waiting) if r.request_id in ids]:
                     self._waiting.remove(r)
+                    dropped.add(r.request_id)
                 slots = [i for i, r in enumerate(self._active) if r.request_id in ids]
                 if slots:
+                    taken = {self._active[i].request_id for i in slots}
                     self._release(slots)
+                    dropped |= taken
             except BaseException as e:  # the waiters still get the step's error
                 log.error("could not take the failed requests out of the engine: %r", e)
-            self._async_ids.difference_update(ids)
+            # only what was taken out stops being an asyncio request: one left in the engine keeps its id,
+            # so its result still goes to its (failed) waiter's side, never to a step() caller
+            self._async_ids.difference_update(dropped)
         return sorted(ids)
 
     def _deliver(self, results: list[GenerationResult]) -> None:

@@ -106,20 +106,22 @@ def prepare_samples(cfg: AsyncGRPORunConfig, trainer: PolicyTrainer, stats: Step
 def _check_filtered(cfg: AsyncGRPORunConfig, stats: StepStats, step: int) -> None:
     """With dynamic sampling, once a step has seen a step's worth of groups: their failed rewards,
     filtered groups' included, against task.reward.max_failed_fraction (a reward failing on every
-    sample leaves every group flat, and no step would ever be trained to check it); and at most
-    (1 + grpo.dynamic_sampling_max_refills) x target groups filtered, as the synchronous loop draws at
-    most that many batches per step."""
+    sample leaves every group flat, and no step would ever be trained to check it); and a step that
+    filtered more than (1 + grpo.dynamic_sampling_max_refills) x target groups without keeping one
+    stops the run (the synchronous loop draws at most that many batches and trains what it kept; a
+    step that keeps some groups here goes on filling, however slowly: mostly flat steps are common
+    early on hard tasks)."""
     target = cfg.async_grpo.target_prompt_groups_per_step
     if len(stats.groups) >= target:
         check_failed_rewards(cfg, step, stats.failed_fraction(), FailedRewardsError)
     filtered = sum(flat for _, flat in stats.groups)
     most = (1 + cfg.grpo.dynamic_sampling_max_refills) * target
-    if filtered > most:
+    if filtered > most and filtered == len(stats.groups):
         raise AsyncGRPOError(
             f"step {step}: grpo.dynamic_sampling filtered {filtered} prompt groups with equal rewards, more "
             f"than (1 + grpo.dynamic_sampling_max_refills={cfg.grpo.dynamic_sampling_max_refills}) x "
-            f"async_grpo.target_prompt_groups_per_step={target}, and the step is not full: the task is "
-            "too easy or too hard for the policy (or the reward gives every sample the same value). Raise "
+            f"async_grpo.target_prompt_groups_per_step={target}, and kept none: the task is too easy or "
+            "too hard for the policy (or the reward gives every sample the same value). Raise "
             "grpo.dynamic_sampling_max_refills, or set grpo.dynamic_sampling=false"
         )
 
