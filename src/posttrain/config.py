@@ -112,6 +112,11 @@ def _shown_input(e: Any) -> str:
     return f" (got {text})"
 
 
+def validation_problems(err: ValidationError) -> str:
+    """The messages of a pydantic error, joined (for a check that validates a nested config itself)."""
+    return "; ".join(_message(e) for e in err.errors())
+
+
 def _message(e: Any) -> str:
     """pydantic's message without its 'Value error, ' prefix (our validators' text says the fix)."""
     msg = str(e["msg"])
@@ -397,9 +402,7 @@ def dump_config(cfg: Config) -> str:
     data = cfg.model_dump(mode="json")
     for key in cfg.refused_keys:
         *parts, last = key.split(".")
-        node = data
-        for part in parts:
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _written(data, ".".join(parts)) if parts else data
         if isinstance(node, dict):
             node.pop(last, None)
     return yaml.dump(data, Dumper=YamlDumper, sort_keys=False)

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from posttrain.algorithms.grpo import GRPOConfig, run_grpo
 from posttrain.algorithms.sft import SFTConfig, run_sft
-from posttrain.config import Config
+from posttrain.config import Config, validation_problems
 from posttrain.logging import get_logger, read_metrics
 
 log = get_logger(__name__)
@@ -106,11 +106,16 @@ class DemoConfig(Config):
         """The GRPO stage's checks on the task and environment it runs (sft's): e.g. MoE routing replay
         with an environment is refused at load, not after the SFT stage."""
         try:
-            type(self.grpo).model_validate({**dict(self.grpo), "task": self.sft.task, "env": self.sft.env})
+            self.grpo_stage()
         except ValidationError as err:
-            problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+            problems = validation_problems(err)
             raise ValueError(f"the GRPO stage (grpo.*, on sft.task and sft.env): {problems}") from None
         return self
+
+    def grpo_stage(self, **update) -> GRPOConfig:
+        """The GRPO stage as it runs: validated (not copied) on sft's task and environment, with `update`."""
+        stage = {**dict(self.grpo), "task": self.sft.task, "env": self.sft.env, **update}
+        return type(self.grpo).model_validate(stage)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, float]:
@@ -127,10 +132,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})
     policy = cfg.grpo.policy.model_copy(update={"model": model})
-    # validated, not copied: the stage's checks (e.g. MoE routing replay with an environment) see the
-    # task and environment it runs
-    stage = {"policy": policy, "output_dir": str(out / "grpo"), "task": cfg.sft.task, "env": cfg.sft.env}
-    grpo = type(cfg.grpo).model_validate({**dict(cfg.grpo), **stage})
+    grpo = cfg.grpo_stage(policy=policy, output_dir=str(out / "grpo"))
     run_grpo(grpo)
     records = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "val/accuracy" in r]
     before, after = records[0]["val/accuracy"], records[-1]["val/accuracy"]

@@ -60,12 +60,7 @@ class DistillSettings(Config):
 
     @model_validator(mode="after")
     def _teacher_routes_itself(self) -> DistillSettings:
-        if self.teacher.moe.routing_replay != "off":
-            raise ValueError(
-                "distill.teacher.moe.routing_replay=rollout would route the teacher's tokens to the experts "
-                "the student's engine chose (the teacher has no engine of its own), so its logprobs would "
-                "not be the teacher's distribution: set distill.teacher.moe.routing_replay=off"
-            )
+        self.teacher.check_routes_itself("distill.teacher", "student")
         return self
 
     def for_student(self, student: PolicyConfig, temperature: float) -> DistillSettings:

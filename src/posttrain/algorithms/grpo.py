@@ -47,7 +47,6 @@ from posttrain.rollout import episodes
 from posttrain.rollout import groups as rollout_groups
 from posttrain.rollout import validation as rollout_validation
 from posttrain.rollout.advantages import zero_variance_groups
-from posttrain.rollout.config import refuse_overlong_buffer
 from posttrain.rollout.groups import check_context, engine_config, group_seed, probe_sync, step_seed
 from posttrain.rollout.reward_model import RewardModel, RewardModelConfig
 from posttrain.rollout.rows import samples_to_batch
@@ -85,7 +84,6 @@ class GRPOConfig(GRPORunSections):
             raise ValueError(problem)
         kl = self.loss.reference_policy_kl_penalty
         refuse_kl_without_reference(self.policy, kl, "loss.reference_policy_kl_penalty")
-        refuse_overlong_buffer(self.grpo, self.sampling.max_new_tokens)
         if self.reward_model is not None and self.env is not None:
             raise ValueError(
                 "reward_model with env: a reward model scores single-turn completions of a task; unset env"

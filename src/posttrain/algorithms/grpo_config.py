@@ -15,7 +15,7 @@ from posttrain.generation.params import GenerationConfig, SamplingParams
 from posttrain.generation.weight_sync import WeightSyncConfig
 from posttrain.logging import LoggingConfig
 from posttrain.policy.config import PolicyConfig
-from posttrain.rollout.config import GroupConfig
+from posttrain.rollout.config import GroupConfig, refuse_overlong_buffer
 from posttrain.tasks.arithmetic import ArithmeticTaskConfig
 from posttrain.tasks.build import TaskConfig
 
@@ -117,6 +117,11 @@ class GRPORunSections(Config):
                 "its reward minus its group's mean (or the others' mean), so with one sample per prompt "
                 "every advantage is 0. Use 2 or more (4 to 16 is usual)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer(self) -> GRPORunSections:
+        refuse_overlong_buffer(self.grpo, self.sampling.max_new_tokens)
         return self
 
     @model_validator(mode="after")

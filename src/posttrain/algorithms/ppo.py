@@ -136,12 +136,8 @@ class PPOConfig(grpo.GRPOConfig):
                 f"{self.policy.parallel.context_parallel_size}, and a scalar-head model does not run with "
                 "context parallelism yet: write a ppo.critic section with parallel.context_parallel_size=1"
             )
-        if self.ppo.critic is not None and self.ppo.critic.moe.routing_replay != "off":
-            raise ValueError(
-                "ppo.critic.moe.routing_replay=rollout would route the critic's tokens to the experts the "
-                "policy's engine chose (the critic has no engine of its own): set "
-                "ppo.critic.moe.routing_replay=off"
-            )
+        if self.ppo.critic is not None:
+            self.ppo.critic.check_routes_itself("ppo.critic", "policy")
         critic = critic_config(self)
         if critic.model.head != "score":
             raise ValueError("ppo.critic.model.head=lm: a critic is a scalar-head model; set it to score")

@@ -87,6 +87,11 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
 
     # ------------------------------------------------------------------ construction
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (the tokenizer's, where it has one), for a pad row."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     def _build_model(self, model) -> None:
         check_generation_support(model.config)  # the support table: a clear refusal before any work
         first = next(model.parameters())
@@ -111,7 +116,6 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         packs = self._head.packs  # the lean decoder's projections are packed beside the head
         self._lean = LeanDecoder.for_model(model, self.max_len, packs) if self._body is not None else None
         self.eos_token_ids = eos_token_ids(self.tokenizer, model)  # a request stops at any (stop_at_eos)
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first, for a pad row
         self.pad_token_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         self.weight_version = 0
         self._weights_valid = True

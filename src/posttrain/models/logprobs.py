@@ -99,23 +99,20 @@ def _additive_for_eager(model, allowed: torch.Tensor) -> torch.Tensor:
 def model_logits(model, mb: MicroBatch) -> torch.Tensor:
     """Raw logits of the model on a micro-batch: [b, t, V] padded, or [1, L, V] for a packed row (a
     vocab-sharded DTensor under tensor parallelism)."""
-    if mb.packed is not None:
-        p = mb.packed
-        with per_sequence_rope(
-            model, lambda: segment_lengths(p.lengths, p.input_ids.shape[1], p.input_ids.device)
-        ):
+    width = (mb.packed.input_ids if mb.packed is not None else mb.data["input_ids"]).shape[1]
+    with per_sequence_rope(model, lambda: _call_lengths(mb, width)):
+        if mb.packed is not None:
+            p = mb.packed
             out = model(
                 input_ids=p.input_ids,
                 position_ids=p.position_ids,
                 attention_mask=_packed_mask(model, p.attention_mask),
                 use_cache=False,
             )
-        return out.logits
-    # Rows are right-padded and attention is causal, so no real token ever sees padding: no mask is
-    # needed, and without one transformers builds none and sdpa takes its causal fast path.
-    ids = mb.data["input_ids"]
-    with per_sequence_rope(model, lambda: _row_lengths(mb, ids.shape[1])):
-        return model(input_ids=ids, use_cache=False).logits
+            return out.logits
+        # Rows are right-padded and attention is causal, so no real token ever sees padding: no mask is
+        # needed, and without one transformers builds none and sdpa takes its causal fast path.
+        return model(input_ids=mb.data["input_ids"], use_cache=False).logits
 
 
 def _row_lengths(mb: MicroBatch, width: int) -> torch.Tensor:

@@ -271,6 +271,16 @@ class PolicyConfig(Config):
         tied._drawn_at = temperature
         return tied
 
+    def check_routes_itself(self, key: str, engine_of: str) -> None:
+        """Refuse routing replay in a model with no engine of its own (a critic, a teacher, under `key`):
+        it would replay the routing `engine_of`'s engine recorded, not its own router's choices."""
+        if self.moe.routing_replay != "off":
+            raise ValueError(
+                f"{key}.moe.routing_replay={self.moe.routing_replay} would route this model's tokens to the "
+                f"experts the {engine_of}'s engine chose (it has no engine of its own), so its outputs would "
+                f"not be its own: set {key}.moe.routing_replay=off"
+            )
+
     def check_untempered(self, run: str) -> None:
         """Refuse a logprob_temperature other than 1 in a `run` that trains the model's own distribution."""
         if self.scoring_temperature != 1.0:

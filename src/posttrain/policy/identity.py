@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain import checkpoint
-from posttrain.models.scalar_head import Head
+from posttrain.models.scalar_head import SCORE_HEAD, Head
 from posttrain.policy.config import PolicyConfig
 
 HEAD = "model.head"
@@ -54,7 +54,7 @@ def saved_head(meta: dict[str, Any]) -> Head:
     fingerprint = meta["fingerprint"]
     if HEAD in fingerprint["config"]:
         return fingerprint["config"][HEAD]
-    return "score" if "score.weight" in fingerprint["model"]["params"] else "lm"
+    return "score" if f"{SCORE_HEAD}.weight" in fingerprint["model"]["params"] else "lm"
 
 
 def check_lora_matches(cfg: PolicyConfig, path: str, saved: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ class GroupConfig(Config):
 def refuse_overlong_buffer(group: GroupConfig, max_new_tokens: int) -> None:
     """Refuse DAPO overlong shaping whose buffer covers every completion length: with
     `overlong_buffer_length >= max_new_tokens` the penalty zone starts at or before the first token, so
-    even a short answer that stopped on EOS loses reward. Run configs call this at load."""
+    even a short answer that stopped on EOS loses reward. The run configs' shared sections call this at load."""
     if group.overlong_reward_shaping and group.overlong_buffer_length >= max_new_tokens:
         raise ValueError(
             f"grpo.overlong_buffer_length={group.overlong_buffer_length} is not below "

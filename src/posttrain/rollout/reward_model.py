@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, ValidationError, model_validator
 
-from posttrain.config import Config
+from posttrain.config import Config, validation_problems
 from posttrain.data.batch import batch_from_sequences
 from posttrain.generation.params import GenerationResult
 from posttrain.logging import get_logger
@@ -88,8 +88,9 @@ class RewardModelConfig(Config):
         try:
             self.policy_config()
         except ValidationError as err:
-            problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in err.errors())
-            raise ValueError(f"reward_model (its cluster and parallel keys): {problems}") from None
+            raise ValueError(
+                f"reward_model (its cluster and parallel keys): {validation_problems(err)}"
+            ) from None
         return self
 
     def policy_config(self) -> PolicyConfig:

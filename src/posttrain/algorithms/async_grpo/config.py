@@ -19,7 +19,7 @@ from posttrain.algorithms.grpo_config import (
 )
 from posttrain.algorithms.losses import ClippedPGConfig
 from posttrain.config import Config
-from posttrain.rollout.config import RolloutConfig, RolloutWorkerConfig, refuse_overlong_buffer
+from posttrain.rollout.config import RolloutConfig, RolloutWorkerConfig
 
 
 def _async_loss_defaults() -> ClippedPGConfig:
@@ -182,7 +182,6 @@ class AsyncGRPORunConfig(GRPORunSections):
                 raise ValueError(f"{section}.{name} is not used by the asynchronous loop; {fix}")
         kl = self.async_grpo.loss.reference_policy_kl_penalty
         refuse_kl_without_reference(self.policy, kl, "async_grpo.loss.reference_policy_kl_penalty")
-        refuse_overlong_buffer(self.grpo, self.sampling.max_new_tokens)
         if self.distill is not None:
             refuse_dynamic_sampling(self.grpo, DISTILLATION_LEARNS_FROM_EVERY_GROUP)
             distill = self.distill.for_student(self.policy, self.sampling.temperature)
