@@ -144,7 +144,7 @@ def generation(size: str, device: torch.device, quick: bool, bandwidth: float, g
     lengths = [len(p) for p in make_prompts(vocab, batch)]  # the prompts `compare` decodes
     moved = decode_bytes(DecoderShape.of(tiny_config(vocab, **shp)), lengths, new_tokens, dtype.itemsize)
     # the engine replays CUDA graphs (generation.cuda_graphs) in both modes; greedy is also timed
-    # without them first, the engine of before. Graphs are new and not yet run on a GPU: if they fail,
+    # without them first, the engine of before. Graphs have run on one GPU kind (H200) so far: if they fail,
     # the error is printed and kept, and the mode is timed without them (the other numbers still count)
     modes = {**({"greedy_no_graphs": False} if graphs else {}), "sampling": graphs, "greedy": graphs}
     for mode, cuda_graphs in modes.items():

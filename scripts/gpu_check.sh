@@ -7,7 +7,8 @@
 #   suite.log/xml  every test that is neither slow nor distributed, with the workers on the GPU (pytest-xdist)
 #   demo.log       `posttrain demo` on the GPU, run beside the suite
 #   gpu_bench.log  benchmarks/gpu.py, alone on the card (timings)
-# Each phase has its own time limit so a hang in one still leaves the others' logs.
+# Each phase has its own time limit so a hang in one still leaves the others' logs; a limit of 0 skips
+# the phase (TIER_S, SUITE_S, BENCH_S; DEMO_S=0 runs the suite without the demo).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -29,28 +30,34 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
 
 phase() { echo "=== $1 ($(date +%T))"; }
 
-phase "gpu tier"
-timeout "${TIER_S:-150}" python3 -m pytest -m gpu -rs -p no:cacheprovider --timeout 120 -o addopts="" -q \
-    >"$OUT/gpu_tier.log" 2>&1
-echo "rc $?"
-tail -n 12 "$OUT/gpu_tier.log"
-
-phase "suite on the GPU + demo"
-if [ "${DEMO_S:-200}" != 0 ]; then
-    (timeout "${DEMO_S:-200}" posttrain demo >"$OUT/demo.log" 2>&1; echo "demo rc $?" >>"$OUT/demo.log") &
+if [ "${TIER_S:-150}" != 0 ]; then
+    phase "gpu tier"
+    timeout "${TIER_S:-150}" python3 -m pytest -m gpu -rs -p no:cacheprovider --timeout 120 -o addopts="" -q \
+        >"$OUT/gpu_tier.log" 2>&1
+    echo "rc $?"
+    tail -n 12 "$OUT/gpu_tier.log"
 fi
-# SUITE_TESTS: node ids to run instead (e.g. the ones that failed last time)
-select=(-m "not slow and not distributed and not gpu")
-[ -n "${SUITE_TESTS:-}" ] && read -r -a select <<<"$SUITE_TESTS"
-timeout "${SUITE_S:-220}" python3 -m pytest "${select[@]}" -n "${WORKERS:-8}" \
-    -p no:cacheprovider --timeout 150 -o addopts="" -q -rf --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
-echo "rc $?"
-tail -n 40 "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -n 30
-wait
-[ -f "$OUT/demo.log" ] && tail -n 6 "$OUT/demo.log"
 
-phase "benchmarks/gpu.py"
-timeout "${BENCH_S:-240}" python3 benchmarks/gpu.py --out "$OUT" ${BENCH_ARGS:-} >"$OUT/gpu_bench.log" 2>&1
-echo "rc $?"
-tail -n 25 "$OUT/gpu_bench.log"
+if [ "${SUITE_S:-220}" != 0 ]; then
+    phase "suite on the GPU + demo"
+    if [ "${DEMO_S:-200}" != 0 ]; then
+        (timeout "${DEMO_S:-200}" posttrain demo >"$OUT/demo.log" 2>&1; echo "demo rc $?" >>"$OUT/demo.log") &
+    fi
+    # SUITE_TESTS: node ids to run instead (e.g. the ones that failed last time)
+    select=(-m "not slow and not distributed and not gpu")
+    [ -n "${SUITE_TESTS:-}" ] && read -r -a select <<<"$SUITE_TESTS"
+    timeout "${SUITE_S:-220}" python3 -m pytest "${select[@]}" -n "${WORKERS:-8}" \
+        -p no:cacheprovider --timeout 150 -o addopts="" -q -rf --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
+    echo "rc $?"
+    tail -n 40 "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -n 30
+    wait
+    [ -f "$OUT/demo.log" ] && tail -n 6 "$OUT/demo.log"
+fi
+
+if [ "${BENCH_S:-240}" != 0 ]; then
+    phase "benchmarks/gpu.py"
+    timeout "${BENCH_S:-240}" python3 benchmarks/gpu.py --out "$OUT" ${BENCH_ARGS:-} >"$OUT/gpu_bench.log" 2>&1
+    echo "rc $?"
+    tail -n 25 "$OUT/gpu_bench.log"
+fi
 phase "done"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,6 +13,17 @@ from posttrain.policy.config import PolicyConfig
 if TYPE_CHECKING:
     from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig
     from posttrain.algorithms.grpo import GRPOConfig
+
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports posttrain from this checkout: `src`
+    put before an inherited PYTHONPATH (which may hold the dependencies, as on a machine whose wheels
+    are installed to a --target folder), plus `extra`."""
+    path = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def policy_cfg(**overrides) -> PolicyConfig:

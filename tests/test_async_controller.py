@@ -241,23 +241,31 @@ def test_a_resumed_run_never_draws_a_saved_group_again_with_its_seed():
         dataset=items, codec=codec, num_epochs=40, max_in_flight_per_worker=8, max_outstanding_groups=8
     )
     first = [ItemWorker("w0", latency=0.005)]
-    ctrl, _, _ = make(workers=first, trainer=FakeTrainer(train_latency=0.002), num_steps=4, **setting)
+    ctrl, _, _ = make(workers=first, trainer=FakeTrainer(train_latency=0.002), num_steps=12, **setting)
     saved: dict = {}
 
+    def kept_groups(state: dict, drawn: list) -> set:
+        """Draws made before the save and kept (trained, or saved with samples): not requeued."""
+        prompt_of = {g: p for g, p, _ in state["requeue"]}
+        return set(drawn) - {(v, prompt_of[g], n) for g, v, n in state["requeue_repeats"]}
+
     async def on_step(step, metrics):
-        if step == 2:
-            saved["state"] = json.loads(json.dumps(await ctrl.checkpoint_state()))
-            saved["drawn"] = list(first[0].drawn)
+        # the first checkpoint from step 2 on that holds a kept group of its own version (which step
+        # that is depends on how the worker's and the trainer's latencies interleave on a loaded host)
+        if step >= 2 and "state" not in saved:
+            state = json.loads(json.dumps(await ctrl.checkpoint_state()))
+            kept = kept_groups(state, first[0].drawn)
+            if any(v == state["trainer_version"] for v, _, _ in kept):
+                saved.update(state=state, kept=kept)
 
     bounded_run(ctrl.run(on_step))
-    state = saved["state"]
+    assert "state" in saved, "no checkpoint held a kept group of its own version: nothing checked"
+    state, kept = saved["state"], saved["kept"]
     version = state["trainer_version"]
-    prompt_of = {g: p for g, p, _ in state["requeue"]}
-    requeued = {(v, prompt_of[g], n) for g, v, n in state["requeue_repeats"]}
-    kept = set(saved["drawn"]) - requeued  # drawn before the save and kept: trained, or saved with samples
-    assert any(v == version for v, _, _ in kept), "no group of the saved version: nothing checked"
     again = [ItemWorker("w0", latency=0.005)]
-    resumed, _, _ = make(workers=again, trainer=FakeTrainer(start_version=version), num_steps=4, **setting)
+    resumed, _, _ = make(
+        workers=again, trainer=FakeTrainer(start_version=version), num_steps=state["step"] + 2, **setting
+    )
     resumed.load_state_dict(state)
     bounded_run(resumed.run())
     assert not kept & set(again[0].drawn), "a resumed run drew a kept group's seed again"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import subprocess_env
 from posttrain.cli import main
 from posttrain.config import ConfigError
 from posttrain.logging import get_logger
@@ -443,8 +444,7 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_the_command_exits_cleanly_without_debug_and_with_a_traceback_with_it(tmp_path):
     make_files(tmp_path)
     argv = [sys.executable, "-m", "posttrain.cli", "grpo", "--config", str(tmp_path / "bad.yaml")]
-    src = str(Path(__file__).parents[1] / "src")  # this checkout's package, not an installed one
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env()  # this checkout's package, not an installed one
     plain = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     assert "bad.yaml' is not valid YAML" in plain.stderr and not plain.stdout

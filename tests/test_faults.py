@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import posttrain
-from helpers import small_async_grpo_cfg, small_grpo_cfg
+from helpers import small_async_grpo_cfg, small_grpo_cfg, subprocess_env
 from posttrain import checkpoint
 from posttrain.algorithms.async_grpo import run as async_run
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
@@ -125,8 +124,7 @@ def run_killers(tmp_path_factory, runs: dict[str, Path], fn: str, meanwhile=None
     """`fn(runs)` (a `fork_each`) in a fresh interpreter; every run must have died of SIGKILL.
     `meanwhile()` runs here in the meantime."""
     code = KILLER.format(tests=str(Path(__file__).parent), fn=fn, runs={k: str(v) for k, v in runs.items()})
-    src = str(Path(posttrain.__file__).parents[1])  # this checkout's package, also in the child
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env()  # this checkout's package, also in the child
     log = tmp_path_factory.mktemp("killer") / "stderr.log"
     with open(log, "w") as stderr:
         child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=stderr)

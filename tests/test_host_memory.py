@@ -95,6 +95,7 @@ def test_cpu_engines_and_policy_workers_apply_the_setting(what, mode):
     env = {k: v for k, v in os.environ.items() if k != host_memory.ENV}
     if mode is not None:
         env[host_memory.ENV] = mode
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU objects on every machine (on a GPU the policy trains there)
     code = WIRING.format(tests=os.path.dirname(__file__))
     out = subprocess.run(
         [sys.executable, "-c", code, what], env=env, capture_output=True, text=True, timeout=300, check=True

@@ -78,9 +78,12 @@ def test_all_linear_lora_on_moe_merges_syncs_saves_and_exports_as_peft_does(tmp_
 
     policy.save_hf(str(tmp_path / "hf"))
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "merged")]) == 0
-    for out in ("hf", "merged"):
+    # save_hf merges where the policy trains; export merges the checkpoint on the host: on a GPU the
+    # two B @ A products differ in rounding (3e-8 seen on an H200)
+    on_host = next(model.parameters()).device.type == "cpu"
+    for out, atol in (("hf", 0), ("merged", 0 if on_host else 1e-6)):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / out)
-        assert_same(loaded.state_dict(), merged, atol=0)
+        assert_same(loaded.state_dict(), merged, atol=atol)
         torch.testing.assert_close(hf_logprobs(loaded, batch), lp, rtol=0, atol=1e-5)
 
 

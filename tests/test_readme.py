@@ -7,7 +7,6 @@ output is checked against what the README shows."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -18,14 +17,13 @@ from pathlib import Path
 
 import pytest
 
-import posttrain
+from helpers import subprocess_env
 from posttrain.cli import build_parser
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-SRC = str(Path(posttrain.__file__).resolve().parents[1])
 
 SKIP = {  # command prefix -> why it is not run here (its config is still validated where it has one)
     "make test": "this suite is what it runs",
@@ -90,9 +88,12 @@ def test_the_tables_name_only_commands_of_the_readme():
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", *argv], cwd=cwd, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "posttrain.cli", *argv],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
     )
 
 

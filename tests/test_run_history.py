@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import posttrain
-from helpers import small_async_grpo_cfg, small_grpo_cfg
+from helpers import small_async_grpo_cfg, small_grpo_cfg, subprocess_env
 from posttrain.algorithms import grpo as grpo_module
 from posttrain.algorithms import sft as sft_module
 from posttrain.algorithms.async_grpo.run import run_async_grpo
@@ -185,9 +184,7 @@ def test_sigint_stops_a_sync_run_with_a_checkpoint_it_resumes_from(tmp_path):
     out = tmp_path / "run"
     cfg = small_grpo_cfg(out, "grpo.max_num_steps=500", "checkpointing.save_period=1000", "grpo.val_period=0")
     (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
-    src = str(Path(posttrain.__file__).parents[1])
-    path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-    env = os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "posttrain.cli", "grpo", "--config", str(tmp_path / "cfg.yaml")]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import subprocess_env
 from posttrain.envs import sandbox
 from posttrain.envs.base import AssistantMessage, EnvLimits, EnvSample, EnvStep
 from posttrain.envs.build import EnvSuite, build_env
@@ -189,8 +190,7 @@ def test_a_run_dies_with_a_killed_parent(network):
         "from posttrain.envs.sandbox import SandboxConfig, run_python\n"
         f"run_python({code!r}, SandboxConfig(wall_timeout_s=600, network={network!r}))"
     )
-    src = os.path.dirname(os.path.dirname(os.path.dirname(sandbox.__file__)))
-    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": src})
+    parent = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env())
     try:
         for _ in range(600):  # until the program runs (bounded: the loop fails the test below)
             tree = _tree(parent.pid)

@@ -12,6 +12,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
+from helpers import subprocess_env
 from posttrain.config import Config
 from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.tasks import (
@@ -250,20 +251,18 @@ def test_a_reward_file_is_a_registered_module(tmp_path):
 def test_cloudpickle_ships_a_reward_file_by_value(tmp_path):
     """Ray and loky pickle with cloudpickle, which ships code by reference once its module is in
     sys.modules; a fresh worker process has no module of that name, so the file's code goes by value."""
-    import os
     import subprocess
-    from pathlib import Path
 
     pytest.importorskip("cloudpickle")
     (tmp_path / "typed.py").write_text(TYPED_REWARD)
-    src = str(Path(__file__).resolve().parents[1] / "src")
     dump = (  # cloudpickle imported after the load, as a run that starts Ray later would
         "import sys; from posttrain.tasks.rewards import load_reward_fn; "
         f"fn = load_reward_fn({str(tmp_path / 'typed.py')!r} + ':reward'); import cloudpickle; "
         "sys.stdout.buffer.write(cloudpickle.dumps(fn))"
     )
-    env = {**os.environ, "PYTHONPATH": src}
-    data = subprocess.run([sys.executable, "-c", dump], capture_output=True, timeout=120, env=env, check=True)
+    data = subprocess.run(
+        [sys.executable, "-c", dump], capture_output=True, timeout=120, env=subprocess_env(), check=True
+    )
     load = (
         "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); "
         "print(f(['p'], ['4'], [{'answer': '4'}]))"
