@@ -5,8 +5,8 @@ does not change the math must not change a single bit of these runs. The numbers
 `golden/trajectories.json`; `python tests/test_golden.py --record` rewrites them (only do that for a
 change that is meant to alter the math, and say why in the commit).
 
-Bit-identity holds on the platform the numbers were recorded on (torch version and CPU capability are
-stored with them). Elsewhere, float reductions may round differently, so the runs are compared at
+Bit-identity holds on the platform the numbers were recorded on (torch version, CPU capability and
+CPU model are stored with them). Elsewhere, float reductions may round differently, so the runs are compared at
 1e-4 relative instead, and the test says so.
 """
 
@@ -39,10 +39,23 @@ STEP_KEYS = (
 )
 
 
+def cpu_model() -> str:
+    """The processor's model name: CPUs of one capability (AVX512) but another make or generation pick
+    other GEMM kernels in MKL/oneDNN and round differently (an Intel Xeon and an AMD EPYC differ at 1e-7)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform as host
+
+        return host.processor() or host.machine()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def platform() -> dict[str, str]:
     return {
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": cpu_model(),
         "threads": str(torch.get_num_threads()),
     }
 
