@@ -270,6 +270,24 @@ def test_an_engine_with_adapters_sleeps_without_its_weights_and_wakes_with_its_b
     assert tokens(engine, SAMPLED) == before
 
 
+def test_an_engine_with_adapters_keeps_its_base_when_a_copy_load_follows_a_share():
+    """After share_weights a copy load stops aliasing the trainer's tensors; it re-points only what it
+    brings (the adapters), so the base, which no load sends, keeps its values."""
+    policy = lora_policy("adapters")
+    never_shared = engine_for(policy)
+    never_shared.load_weights(policy.engine_state_dict(), version=1)
+    engine = engine_for(policy)
+    adapters = {n: t.detach().clone() for n, t in policy.engine_state_dict().items()}
+    engine.share_weights(adapters, version=1)
+    base = {n: p.clone() for n, p in engine.model.named_parameters() if not is_adapter_key(n)}
+    engine.load_weights(adapters, version=2)
+    now = dict(engine.model.named_parameters())
+    assert all(torch.equal(now[n], t) for n, t in base.items())
+    assert all(now[n].data_ptr() != t.data_ptr() for n, t in adapters.items())  # copies, not aliases
+    assert tokens(engine, GREEDY) == tokens(never_shared, GREEDY)
+    assert tokens(engine, SAMPLED) == tokens(never_shared, SAMPLED)
+
+
 def test_engines_refuse_weights_of_the_other_kind_saying_what_to_send():
     policy = lora_policy("adapters")
     with pytest.raises(ValueError, match="carries LoRA adapters and loads only them; send the adapter"):

@@ -177,7 +177,7 @@ def run_ppo(cfg: PPOConfig, policy: Policy | None = None, critic: Policy | None 
     own = critic is None
     if own:
         check_critic_vocabulary(cfg)
-    critic = critic or Policy(critic_config(cfg))
+    critic = critic or Policy(critic_config(cfg), seed=cfg.grpo.seed)
     try:
         return grpo.run_grpo(
             cfg, policy, step_fn=lambda run: ppo_step(run, critic, cfg.ppo), companions={"critic": critic}

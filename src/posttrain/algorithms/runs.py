@@ -71,7 +71,7 @@ def _open(output_dir: str, seed: int, policy_cfg: PolicyConfig, policy: Policy |
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    return out, policy or Policy(policy_cfg), policy is None
+    return out, policy or Policy(policy_cfg, seed=seed), policy is None
 
 
 def shuffled_batches(n: int, size: int, seed: int) -> Iterator[list[int]]:

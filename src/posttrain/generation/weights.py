@@ -152,15 +152,16 @@ class EngineWeights:
         self._check_idle("load_weights")
         if self._sleeping:
             raise EngineStateError("load_weights() while asleep; call wake() first")
+        load = WeightLoad(self.model, self._mark_loaded, self._drop_compiled)
         if self._shared and not share:  # stop aliasing the trainer's tensors before writing into them
-            self._drop_compiled()  # every parameter moves
-            state = self.model.state_dict(keep_vars=True).values()
-            for t in {id(t): t for t in state}.values():
+            self._drop_compiled()  # the load's targets move
+            # only the tensors this load brings: an adapters engine keeps its base, which no load sends
+            for t in {id(t): t for t in load.targets.values()}.values():
                 t.data = torch.empty_like(t.data)
             self._shared = False
         self._weights_valid = False
         self.clear_sessions()  # every load goes through here: kept keys/values belong to the old weights
-        return WeightLoad(self.model, self._mark_loaded, self._drop_compiled)
+        return load
 
     def load_weights(self, weights: WeightsLike, version: int) -> dict[str, float]:
         """Copy a full state dict (or a stream of (name, tensor)) into the engine and set its version.

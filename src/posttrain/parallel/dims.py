@@ -98,6 +98,12 @@ class ParallelDims:
         """The data-parallel shard that `rank` works on."""
         return rank // (self.tp * self.cp)
 
+    def seed_offset(self, rank: int) -> int:
+        """What `rank` adds to the run seed for its generators: its (dp, cp) coordinate d * cp + c. The
+        ranks of one tensor-parallel group share it (they hold the same activations after a row-parallel
+        reduction); ranks that hold other rows or other query blocks do not."""
+        return rank // self.tp
+
     def dp_leaders(self) -> list[int]:
         """One rank per data-parallel shard (cp and tp index 0): whose results stand for the shard."""
         return [d * self.tp * self.cp for d in range(self.dp)]

@@ -38,7 +38,8 @@ class ModelConfig(Config):
         description="zero the trained model's dropout (as TRL's disable_dropout; LoRA's lora_dropout stays "
         "as configured): the reference, previous and engine logprobs are computed without dropout, so a "
         "training forward with it would make the ratios and DPO's first margins noise; the model's saved "
-        "config keeps its values",
+        "config keeps its values. false: each rank seeds its generators with the run's seed plus its (dp, cp) "
+        "coordinate; refused with tensor_parallel_size > 1 when the model's config has dropout",
     )
     cpu_matmul: Literal["torch", "onednn"] = Field(
         "torch",

@@ -102,14 +102,14 @@ def build_policy_model(
     (broadcast into every shard). With `cfg.lora`, adapters are injected before parallelizing (rank 0's
     initialization is the one every layout gets). Under FSDP2, `dims.build_mesh()` must have run."""
     ac = cfg.parallel.activation_checkpointing
-    check_trainable(
-        model_config(cfg.model, tokenizer), dims.tp_enabled, dims.cp_enabled
-    )  # before weights load
+    config = model_config(cfg.model, tokenizer)
+    check_trainable(config, dims.tp_enabled, dims.cp_enabled)  # before weights load
+    check_dropout_support(cfg, config)  # also checked by Policy before its ranks start
     if not dims.fsdp_enabled:
         model = _with_layers(load_full_model(cfg.model, tokenizer), cfg).to(device)
         return parallelize(model, dims, param_dtype=dtype, activation_checkpointing=ac)
     full = _with_layers(load_full_model(cfg.model, tokenizer), cfg) if dist.get_rank() == 0 else None
-    config = full.config if full is not None else model_config(cfg.model, tokenizer)
+    config = full.config if full is not None else config
     auto = AutoModelForSequenceClassification if cfg.model.head == "score" else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation(config))
@@ -132,6 +132,43 @@ def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
     return model
+
+
+def dropout_settings(config) -> dict[str, float]:
+    """The non-zero dropout probabilities of a transformers config (`*dropout*` and `*pdrop*` keys, in
+    nested sub-configs too), by key."""
+    found: dict[str, float] = {}
+
+    def walk(values: dict, prefix: str) -> None:
+        for key, value in ((str(k), v) for k, v in values.items()):
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif ("dropout" in key or "pdrop" in key) and _is_number(value) and value > 0:
+                found[prefix + key] = float(value)
+
+    walk(config.to_dict(), "")
+    return found
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_dropout_support(cfg: PolicyConfig, config) -> None:
+    """Refuse the model's own dropout under tensor parallelism (`model.disable_dropout=false`, a config
+    with non-zero dropout, tensor_parallel_size > 1): dropout on local heads and on sequence-parallel
+    shards would need a generator shared by the group for replicated activations and distinct per rank
+    for sharded ones, which is not built; each rank seeds its generators alike within the group."""
+    tp = cfg.parallel.tensor_parallel_size
+    found = dropout_settings(config) if tp > 1 and not cfg.model.disable_dropout else {}
+    if found:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(found.items()))
+        raise ValueError(
+            f"policy.model.disable_dropout=false with tensor_parallel_size={tp}, and the model's config has "
+            f"dropout ({settings}): the ranks of a tensor-parallel group would drop their activations "
+            "without a tensor-parallel random generator, which is not built. Set "
+            "policy.model.disable_dropout=true (the default), or use tensor_parallel_size=1"
+        )
 
 
 def _with_layers(model: torch.nn.Module, cfg: PolicyConfig) -> torch.nn.Module:

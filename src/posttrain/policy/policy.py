@@ -22,21 +22,24 @@ from posttrain.parallel.cluster import WorkerGroup
 from posttrain.parallel.tensor_parallel import check_parallel_support
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
-from posttrain.policy.model_init import model_config
+from posttrain.policy.model_init import check_dropout_support, model_config
 from posttrain.policy.worker import PolicyWorker
 
 
 class Policy:
     """A model trained over `cluster.num_workers` ranks; see the module docstring."""
 
-    def __init__(self, cfg: PolicyConfig, worker_cls: type = PolicyWorker) -> None:
+    def __init__(self, cfg: PolicyConfig, worker_cls: type = PolicyWorker, seed: int = 0) -> None:
+        """`seed`: the run's seed; each rank seeds its generators with it (PolicyWorker._seed_generators)."""
         self.cfg = cfg
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.world_size = cfg.cluster.num_workers
         self.dims = cfg.parallel.dims(self.world_size)
-        # before any rank starts or any weights load; the error names the fix
-        check_parallel_support(model_config(cfg.model), self.dims)
-        self.group = WorkerGroup(worker_cls, cfg.cluster, cfg)
+        # before any rank starts or any weights load; the errors name the fix
+        config = model_config(cfg.model)
+        check_parallel_support(config, self.dims)
+        check_dropout_support(cfg, config)
+        self.group = WorkerGroup(worker_cls, cfg.cluster, cfg, seed=seed)
         self._step_loss: LossFn | None = None
 
     # ------------------------------------------------------------------ sharding

@@ -76,10 +76,12 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         world_size: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        seed: int = 0,
     ) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.dims = cfg.parallel.dims(world_size)
+        self._seed_generators(seed)
         self.lifecycle = Lifecycle(Phase.TRAINING)
         self.trainer_version = 0
         self._step: OpenStep | None = None
@@ -105,6 +107,15 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self.model.train()
 
     # ------------------------------------------------------------------ helpers
+
+    def _seed_generators(self, seed: int) -> None:
+        """Seed this rank's torch generators (CPU and CUDA: dropout draws from them) with `seed` plus
+        `dims.seed_offset(rank)`, so a tensor-parallel group draws alike and ranks holding other data draw
+        otherwise. The local backend's one rank runs in the caller's process and keeps the caller's
+        generators (a run seeds them with its seed before it builds the policy). A checkpoint's RNG
+        states, loaded after construction, replace these."""
+        if self.cfg.cluster.backend != "local":
+            torch.manual_seed(seed + self.dims.seed_offset(self.rank))
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce over the data-parallel ranks (the ranks of one dp shard hold the same values)."""
