@@ -176,14 +176,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from posttrain.policy.export import export_hf
+    from posttrain.policy.export import export_hf, how_to_load
 
-    out = export_hf(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
-    how = (
-        "peft.PeftModel.from_pretrained(base, out)"
-        if args.adapter
-        else "AutoModelForCausalLM.from_pretrained"
-    )
+    out = export_hf(args.checkpoint, args.out, args.dtype, adapter=args.adapter, base=args.base)
+    how = how_to_load(args.checkpoint, args.adapter)
     console.print(f"[bold green]exported[/] {args.checkpoint} -> {out} (load with {how})")
     return 0
 
@@ -329,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="LoRA checkpoints: write a peft adapter directory (adapter_config.json, "
         "adapter_model.safetensors) instead of the weights merged into the base model",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="DIR_OR_HUB_NAME",
+        help="LoRA checkpoints: the base model, instead of the model.name its training config recorded "
+        "(a relative path there is relative to the training run's working directory)",
     )
     p.set_defaults(func=_export)
     p = sub.add_parser("generate", help="sample completions from a Hugging Face model directory")

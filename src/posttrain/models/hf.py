@@ -123,7 +123,7 @@ def with_cache(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
     return {_cache_kwarg(type(module)): cache}
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """A name no hub id can be ('org/name' or 'name'): absolute, relative with a dot, or deeper."""
     return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
 
@@ -171,7 +171,7 @@ def hf_source(name: str) -> tuple[str, dict[str, Any]]:
         if not path.is_dir():
             raise ValueError(f"model path '{name}' is a file; pass the directory holding config.json")
         return str(path), {}
-    if _looks_like_path(name):
+    if looks_like_path(name):
         where = "" if str(path.absolute()) == name else f" ({path.absolute()})"
         raise ValueError(
             f"model path '{name}' does not exist{where}. Pass an existing directory with "
