@@ -387,8 +387,8 @@ ROWS = [
         "generate-model-dir-without-tokenizer",
         lambda t: ["generate", str(t / "notok"), "1+1="],
         1,
-        lambda t: [f"model directory '{t / 'notok'}' has no tokenizer files", "policy.model.tokenizer="],
-        not_says=["sentencepiece", "tiktoken"],
+        lambda t: [f"model directory '{t / 'notok'}' has no tokenizer files", "generate --tokenizer"],
+        not_says=["sentencepiece", "tiktoken", "policy.model.tokenizer"],
     ).param(),
     Row(  # no network here: one short request, no retries; with network: not on the hub
         "generate-hub-name-unreachable-or-unknown",

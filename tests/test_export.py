@@ -53,13 +53,14 @@ def drop_head_from_identity(ckpt: Path) -> None:
     (ckpt / checkpoint.METADATA_FILE).write_text(json.dumps(meta))
 
 
-def test_a_full_reward_model_checkpoint_exports_a_sequence_classifier(tmp_path):
+def test_a_full_reward_model_checkpoint_exports_a_sequence_classifier(tmp_path, capsys):
     policy = trained_scorer(lora=None)
     want = policy.score(BATCH)
     policy.save_checkpoint(tmp_path / "ckpt")
     meta = checkpoint.read_metadata(tmp_path / "ckpt")
     assert meta["fingerprint"]["config"]["model.head"] == "score"
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert "(load with AutoModelForSequenceClassification.from_pretrained)" in capsys.readouterr().out
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert loaded.config.architectures == ["LlamaForSequenceClassification"]
     assert loaded.config.num_labels == 1
@@ -71,7 +72,7 @@ def test_a_full_reward_model_checkpoint_exports_a_sequence_classifier(tmp_path):
     torch.testing.assert_close(scores(old), want, rtol=0, atol=1e-5)
 
 
-def test_a_lora_reward_model_exports_merged_and_as_a_peft_adapter_with_its_score_head(tmp_path):
+def test_a_lora_reward_model_exports_merged_and_as_a_peft_adapter_with_its_score_head(tmp_path, capsys):
     policy = trained_scorer(lora=LORA)
     want = policy.score(BATCH)
     policy.save_checkpoint(tmp_path / "ckpt")
@@ -84,7 +85,9 @@ def test_a_lora_reward_model_exports_merged_and_as_a_peft_adapter_with_its_score
     assert all(torch.equal(merged.state_dict()[k], full[k]) for k in full)
     torch.testing.assert_close(scores(merged), want, rtol=0, atol=1e-5)
 
+    capsys.readouterr()
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert "AutoModelForSequenceClassification.from_pretrained(base), out)" in capsys.readouterr().out
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["task_type"], config["modules_to_save"]) == ("SEQ_CLS", ["score"])
     assert sorted(config["target_modules"]) == [

@@ -1,7 +1,9 @@
 """LoRA checkpoints and exports: a checkpoint holds the adapters and their optimizer state alone, resume
 is exact (directly and through the GRPO loop's `resume=auto`), full and LoRA checkpoints refuse each
 other, and `posttrain export` writes the merged model or a peft adapter directory that give the
-trainer's logprobs."""
+trainer's logprobs. A base given by a relative path is recorded absolute, so export works from any
+directory; a checkpoint that recorded it relative says so when its base cannot be loaded, and still
+resumes from its run's directory."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import random_batch
 from helpers import params_of, policy_cfg, small_grpo_cfg
+from model_zoo import save_family_model
+from posttrain import checkpoint
 from posttrain.algorithms.grpo import run_grpo
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.cli import main
 from posttrain.logging import read_metrics
 from posttrain.models.lora import is_adapter_key, peft_state_dict
+from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.policy import export
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.policy.policy import Policy
@@ -230,3 +235,45 @@ def test_save_hf_of_a_lora_policy_is_the_merged_model(tmp_path, tied):
     torch.testing.assert_close(
         hf_logprobs(loaded, BATCHES[0]), policy.get_logprobs(BATCHES[0]), rtol=0, atol=1e-5
     )
+
+
+def test_a_base_given_by_a_relative_path_is_recorded_absolute_and_exports_from_anywhere(
+    tmp_path, monkeypatch, capsys
+):
+    run, base, ckpt = tmp_path / "run", tmp_path / "run" / "base", tmp_path / "run" / "ckpt"
+    (tmp_path / "elsewhere").mkdir()
+    save_family_model("llama", build_char_tokenizer(), base)
+    monkeypatch.chdir(run)
+    policy = Policy(cfg(model={"name": "base"}))  # as configs/grpo_arithmetic_lora.yaml names its base
+    train(policy, range(1))
+    policy.save_checkpoint(ckpt)
+    want = policy.full_state_dict()
+    meta_file = ckpt / checkpoint.METADATA_FILE
+    assert json.loads(meta_file.read_text())["fingerprint"]["config"]["model.name"] == str(base)
+
+    def merged_is_trained(out: str) -> bool:
+        got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["export", str(ckpt), "merged"]) == 0 and merged_is_trained("merged")
+    assert main(["export", str(ckpt), "adapter", "--adapter"]) == 0
+    assert json.loads(Path("adapter/adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+
+    # a checkpoint written when the path was recorded as the config gave it
+    meta = json.loads(meta_file.read_text())
+    meta["fingerprint"]["config"]["model.name"] = "base"
+    meta_file.write_text(json.dumps(meta))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    capsys.readouterr()
+    assert main(["export", str(ckpt), "again"]) == 1
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"LoRA checkpoint '{ckpt}': its training config recorded model.name='base'" in said
+    assert "relative to the directory the training run was started in" in said
+    assert "--base DIR_OR_HUB_NAME" in said
+    assert main(["export", str(ckpt), "again", "--base", "../run/base"]) == 0 and merged_is_trained("again")
+    monkeypatch.chdir(run)  # it still resumes from its run's directory
+    resumed = Policy(cfg(model={"name": "base"}))
+    resumed.load_checkpoint(str(ckpt))
+    got = resumed.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -176,16 +176,62 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from posttrain.policy.export import export_hf
+    from posttrain.policy.export import export_hf, how_to_load
 
-    out = export_hf(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
-    how = (
-        "peft.PeftModel.from_pretrained(base, out)"
-        if args.adapter
-        else "AutoModelForCausalLM.from_pretrained"
-    )
+    out = export_hf(args.checkpoint, args.out, args.dtype, adapter=args.adapter, base=args.base)
+    how = how_to_load(args.checkpoint, args.adapter)
     console.print(f"[bold green]exported[/] {args.checkpoint} -> {out} (load with {how})")
     return 0
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # unset: the model's generation config decides
+
+
+def _flag_checked(cls: type[BaseModel], flags: dict, **fields):
+    """`cls(**flags, **fields)`; a bad value is a ConfigError that names the flag (--max-new-tokens), not
+    the pydantic field."""
+    try:
+        return cls(**flags, **fields)
+    except ValidationError as err:
+        text = format_validation_error(cls, err, heading="invalid option")
+        for name in flags:
+            text = text.replace(f"'{name}'", f"--{name.replace('_', '-')}")
+        text = text.replace("set greedy=True", "pass --greedy")  # SamplingParams' fix, as a flag
+        raise ConfigError(text) from None
+
+
+def _sampling(args: argparse.Namespace, model):
+    """The flags given, over the sampling defaults of the model's generation config (do_sample false:
+    greedy). A sampling flag asks for sampling; --greedy for greedy decoding whatever the model's."""
+    from posttrain.generation.params import SamplingParams, model_sampling_defaults
+
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    fields = model_sampling_defaults(getattr(model, "generation_config", None))
+    if given:
+        fields.pop("greedy", None)
+    fields |= given
+    if args.greedy:
+        fields["greedy"] = True
+    return _flag_checked(SamplingParams, {"max_new_tokens": args.max_new_tokens, "seed": args.seed}, **fields)
+
+
+def _prompt_ids(args: argparse.Namespace, tok) -> list[list[int]]:
+    """The prompts' token ids as training builds them (tasks/datasets.py: the tokenizer's chat template
+    when it has one, BOS first), unless --chat-template never or --no-bos says otherwise."""
+    from posttrain.tasks.datasets import PromptFormatConfig, prompt_token_ids
+
+    if args.chat_template == "always" and not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            f"--chat-template always, but the tokenizer of '{args.tokenizer or args.model}' has no chat "
+            "template; pass --chat-template auto or never"
+        )
+    fmt = PromptFormatConfig(chat_template=args.chat_template, prepend_bos=not args.no_bos)
+    ids = prompt_token_ids(args.prompts, tok, fmt)
+    for i, (text, row) in enumerate(zip(args.prompts, ids)):
+        if not row:
+            bos = "drop --no-bos (the BOS token alone is a prompt), or " if args.no_bos else ""
+            raise ConfigError(f"prompt {i + 1} ({text!r}) has no tokens: {bos}give it some text")
+    return ids
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -193,18 +239,13 @@ def _generate(args: argparse.Namespace) -> int:
     from posttrain.generation.params import SamplingParams
     from posttrain.models.hf import load_model, load_tokenizer
 
-    flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-    try:
-        params = SamplingParams(**flags, greedy=args.greedy)
-    except ValidationError as err:  # name the flag, not the pydantic field
-        text = format_validation_error(SamplingParams, err, heading="invalid option")
-        for name in flags:
-            text = text.replace(f"'{name}'", f"--{name.replace('_', '-')}")
-        text = text.replace("set greedy=True", "pass --greedy")  # SamplingParams' fix, as a flag
-        raise ConfigError(text) from None
-    tok = load_tokenizer(args.model)
-    engine = GenerationEngine(load_model(args.model), tok)
-    prompts = [tok(p, add_special_tokens=True)["input_ids"] for p in args.prompts]
+    flags = {k: getattr(args, k) for k in ("max_new_tokens", "seed", *SAMPLING_FLAGS)}
+    _flag_checked(SamplingParams, {k: v for k, v in flags.items() if v is not None}, greedy=args.greedy)
+    tok = load_tokenizer(args.tokenizer or args.model, elsewhere="generate --tokenizer DIR_OR_HUB_NAME")
+    prompts = _prompt_ids(args, tok)
+    model = load_model(args.model)
+    params = _sampling(args, model)
+    engine = GenerationEngine(model, tok)
     for prompt, res in zip(args.prompts, engine.generate(prompts, params)):
         text = tok.decode(res.token_ids, skip_special_tokens=True)
         console.print(f"[bold]{escape(prompt)}[/]{escape(text)}  [dim]({res.finish_reason})[/]")
@@ -330,14 +371,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA checkpoints: write a peft adapter directory (adapter_config.json, "
         "adapter_model.safetensors) instead of the weights merged into the base model",
     )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="DIR_OR_HUB_NAME",
+        help="LoRA checkpoints: the base model, instead of the model.name its training config recorded "
+        "(a relative path there is relative to the training run's working directory)",
+    )
     p.set_defaults(func=_export)
     p = sub.add_parser("generate", help="sample completions from a Hugging Face model directory")
     p.add_argument("model")
     p.add_argument("prompts", nargs="+")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--greedy", action="store_true")
+    p.add_argument(
+        "--temperature", type=float, default=None, help="default: the model's generation config, else 1.0"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling; default: the model's generation config"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="0: no top-k; default: the model's generation config"
+    )
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        help="argmax decoding (the default when the model's generation config sets do_sample false and "
+        "no sampling flag is given)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chat-template",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="auto: wrap each prompt in the tokenizer's chat template (a user message) when it has one, as "
+        "training does (task.prompt_format.chat_template); always: require one; never: the prompt text alone",
+    )
+    p.add_argument(
+        "--no-bos",
+        action="store_true",
+        help="do not start each prompt with the tokenizer's BOS token (training does: "
+        "task.prompt_format.prepend_bos)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub name; default: the model's")
     p.set_defaults(func=_generate)
     p = sub.add_parser("config", help="inspect the config keys of a command: posttrain config show grpo")
     show = p.add_subparsers(dest="action", required=True).add_parser(

@@ -10,7 +10,7 @@ drawn, not the distribution the logprob is taken under (that is what the trainer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -153,6 +153,18 @@ class SamplingParams(Config):
         if any(s == "" for s in v):
             raise ValueError("stop_strings may not contain the empty string; remove it")
         return v
+
+
+def model_sampling_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling a model's transformers generation config asks for, as SamplingParams fields: greedy
+    when it sets do_sample false, else the temperature, top_p and top_k it sets; nothing from a config
+    derived from the model config (a model saved without sampling defaults)."""
+    if generation_config is None or getattr(generation_config, "_from_model_config", False):
+        return {}
+    if getattr(generation_config, "do_sample", None) is False:
+        return {"greedy": True}
+    out = {k: getattr(generation_config, k, None) for k in ("temperature", "top_p", "top_k")}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass

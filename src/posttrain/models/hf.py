@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from posttrain.checkpoint_verify import METADATA_FILE
 from posttrain.config import Config
 from posttrain.logging import get_logger
 from posttrain.models.families import attn_implementation
@@ -123,7 +125,7 @@ def with_cache(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
     return {_cache_kwarg(type(module)): cache}
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """A name no hub id can be ('org/name' or 'name'): absolute, relative with a dot, or deeper."""
     return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
 
@@ -170,8 +172,13 @@ def hf_source(name: str) -> tuple[str, dict[str, Any]]:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"model path '{name}' is a file; pass the directory holding config.json")
+        if (path / METADATA_FILE).is_file():
+            raise ValueError(
+                f"'{name}' is a posttrain checkpoint directory, not a Hugging Face model directory. Export "
+                f"it first (`posttrain export {name} OUT_DIR`) and pass OUT_DIR"
+            )
         return str(path), {}
-    if _looks_like_path(name):
+    if looks_like_path(name):
         where = "" if str(path.absolute()) == name else f" ({path.absolute()})"
         raise ValueError(
             f"model path '{name}' does not exist{where}. Pass an existing directory with "
@@ -198,19 +205,72 @@ def hf_source(name: str) -> tuple[str, dict[str, Any]]:
 
 
 def load_hf_config(name_or_path: str) -> PretrainedConfig:
-    """The transformers config of a local directory or hub name (checked as `hf_source` does)."""
+    """The transformers config of a local directory or hub name (checked as `hf_source` does; a peft
+    adapter directory is refused with the way to a model)."""
     source, kwargs = hf_source(name_or_path)
+    _refuse_adapter_dir(Path(source), name_or_path)
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
     except OSError as e:
         raise ValueError(f"could not load the config of model '{name_or_path}': {e}") from e
 
 
+def _refuse_adapter_dir(path: Path, name: str) -> None:
+    """A peft adapter directory (adapter_config.json without config.json) holds adapters, not a model:
+    refused with the two ways to a model."""
+    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return
+    adapter = json.loads((path / "adapter_config.json").read_text())
+    auto = (
+        "AutoModelForSequenceClassification"
+        if adapter.get("task_type") == "SEQ_CLS"
+        else "AutoModelForCausalLM"
+    )
+    raise ValueError(
+        f"'{name}' is a peft adapter directory (adapter_config.json, no config.json): it holds LoRA "
+        "adapters, not a model. Export the checkpoint without --adapter (`posttrain export CHECKPOINT "
+        "OUT_DIR`) for the adapters merged into the base model, or load it with peft on its base "
+        f"({adapter.get('base_model_name_or_path')!r}): "
+        f"peft.PeftModel.from_pretrained({auto}.from_pretrained(BASE), '{name}')"
+    )
+
+
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out: set[str] = set()
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        out |= set(names) if isinstance(names, (list, tuple)) else {names}
+    return out
+
+
+def check_causal_lm(config: PretrainedConfig, name: str) -> None:
+    """Refuse a model whose saved architectures include no causal LM (AutoModelForCausalLM would give it
+    a new, random LM head): a reward model or critic (a score head) is named as one."""
+    archs = list(getattr(config, "architectures", None) or [])
+    lm_suffixes = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    if not archs or any(a in _causal_lm_classes() or a.endswith(lm_suffixes) for a in archs):
+        return
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(
+            f"model '{name}' is a {archs[0]}: a reward model or critic (a score head), which scores "
+            "sequences and does not generate. Load it with AutoModelForSequenceClassification; to "
+            "generate, pass a causal LM (an export of a policy trained with model.head=lm)"
+        )
+    raise ValueError(
+        f"model '{name}' is a {archs[0]}, not a causal LM: it has no LM head to generate or score tokens "
+        "with. Pass a causal LM (config.json architectures such as LlamaForCausalLM)"
+    )
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn: str | None = None):
     """`from_pretrained` on a local directory or hub name, with fp32 master weights by default and the
-    family's attention implementation (`models.families.attn_implementation`) unless `attn` names one."""
+    family's attention implementation (`models.families.attn_implementation`) unless `attn` names one.
+    A model saved as anything but a causal LM (a reward model) is refused (`check_causal_lm`)."""
     source, kwargs = hf_source(name_or_path)
-    attn = attn or attn_implementation(load_hf_config(name_or_path))
+    config = load_hf_config(name_or_path)
+    check_causal_lm(config, name_or_path)
+    attn = attn or attn_implementation(config)
     try:
         return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn, **kwargs)
     except OSError as e:
@@ -220,8 +280,11 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, attn: str 
         ) from e
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """Load a tokenizer; sets a pad token (the eos token) when the tokenizer has none."""
+def load_tokenizer(
+    name_or_path: str, elsewhere: str = "policy.model.tokenizer=DIR_OR_HUB_NAME"
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; sets a pad token (the eos token) when the tokenizer has none. `elsewhere` is how
+    the caller takes a tokenizer from another place, named when a directory has none."""
     source, kwargs = hf_source(name_or_path)
     path = Path(source)
     if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
@@ -229,7 +292,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             f"model directory '{name_or_path}' has no tokenizer files (none of "
             f"{', '.join(TOKENIZER_FILES)}). "
             f"Save the tokenizer there (tokenizer.save_pretrained('{name_or_path}')), or take it from "
-            "elsewhere (policy.model.tokenizer=DIR_OR_HUB_NAME)"
+            f"elsewhere ({elsewhere})"
         )
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)

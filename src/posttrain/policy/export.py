@@ -8,9 +8,10 @@ policy/identity.py) transformers' sequence-classification model. A full checkpoi
 and is consolidated from its shards, with the generation config it was saved with. A LoRA checkpoint
 holds the adapters alone (`TrainState.trainable_only`; a scalar head's trained score head with them), so
 its merged export rebuilds the base model from the identity the checkpoint was saved with
-(`model.name`; for `tiny`, the random model of `model.tiny` and `model.seed`), checks it against the
-checkpoint's fingerprint, loads the adapters into it and merges them as `Policy.full_state_dict` does
-(base + scaling * B @ A in fp32). The adapter export needs no base model: the checkpoint's adapter
+(`model.name`, or the `base` given instead; for `tiny`, the random model of `model.tiny` and
+`model.seed`; a local path is recorded absolute since policy/model_paths.py, relative to the training
+run's working directory before it), checks it against the checkpoint's fingerprint, loads the adapters
+into it and merges them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32). The adapter export needs no base model: the checkpoint's adapter
 tensors go out under peft's names next to an `adapter_config.json` (`all-linear` written as the layers
 it adapted; for a scalar head, task SEQ_CLS with the score head in `modules_to_save`), so
 `peft.PeftModel.from_pretrained(base, out_dir)` loads them.
@@ -38,6 +39,7 @@ from transformers import (
 from posttrain import checkpoint
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
+from posttrain.models.hf import looks_like_path
 from posttrain.models.lora import (
     ALL_LINEAR,
     LoraSettings,
@@ -50,6 +52,7 @@ from posttrain.models.scalar_head import SCORE_HEAD
 from posttrain.policy.config import ModelConfig
 from posttrain.policy.identity import saved_head
 from posttrain.policy.model_init import build_tokenizer, load_full_model, with_lora
+from posttrain.policy.model_paths import BUILT_IN, absolute_local_path
 
 log = get_logger(__name__)
 
@@ -57,12 +60,17 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file name PeftModel.from_pr
 
 
 def export_hf(
-    checkpoint_dir: str | Path, out_dir: str | Path, dtype: str | None = None, adapter: bool = False
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str | None = None,
+    adapter: bool = False,
+    base: str | None = None,
 ) -> Path:
     """Write a checkpoint's model to `out_dir` as a Hugging Face directory (safetensors, config,
     generation config, tokenizer) that `AutoModelForCausalLM.from_pretrained(out_dir)` loads
     (`AutoModelForSequenceClassification` for a scalar head); a LoRA checkpoint's adapters are merged
-    into its base. With `adapter`, a LoRA checkpoint's peft adapter directory instead.
+    into its base (`base`, a directory or hub name, instead of the `model.name` the checkpoint records).
+    With `adapter`, a LoRA checkpoint's peft adapter directory instead.
     Weights stay fp32 unless `dtype` ("float32", "bfloat16" or "float16") says otherwise."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -74,14 +82,19 @@ def export_hf(
             f"checkpoint '{root}' is a full fine-tuning checkpoint: it has no LoRA adapters to export. "
             "Drop --adapter to export its weights as a Hugging Face directory"
         )
+    if base is not None and lora is None:
+        raise ValueError(
+            f"checkpoint '{root}' is a full fine-tuning checkpoint: it holds every weight and has no base "
+            "model to merge into. Drop --base"
+        )
     cast = DTYPES[dtype] if dtype else None
     with export_dir(out_dir) as tmp:
         if lora is None:
             _consolidated_model(root, meta, cast).save_pretrained(tmp, safe_serialization=True)
         elif adapter:
-            _write_adapter(root, meta, tmp, cast)
+            _write_adapter(root, meta, tmp, cast, base)
         else:
-            _write_merged(root, meta, tmp, cast)
+            _write_merged(root, meta, tmp, cast, base)
         copy_tokenizer_files(root, tmp)
     out = Path(out_dir).absolute()
     log.info("exported %s to %s%s", root, out, " (peft adapter)" if adapter else "")
@@ -123,6 +136,14 @@ def _auto_class(meta: dict[str, Any]):
     return AutoModelForSequenceClassification if saved_head(meta) == "score" else AutoModelForCausalLM
 
 
+def how_to_load(checkpoint_dir: str | Path, adapter: bool = False) -> str:
+    """The call that loads a checkpoint's export (`adapter`: its peft adapter directory)."""
+    name = _auto_class(checkpoint.read_metadata(Path(checkpoint_dir).absolute())).__name__
+    if adapter:
+        return f"peft.PeftModel.from_pretrained({name}.from_pretrained(base), out)"
+    return f"{name}.from_pretrained"
+
+
 def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | None):
     """A full checkpoint's model, built from its saved config and filled from its shards, with its saved
     generation config (a checkpoint saved without one: derived from the model config)."""
@@ -143,17 +164,66 @@ def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | N
 # ---------------------------------------------------------------------- LoRA checkpoints
 
 
-def _base_config(meta: dict[str, Any]) -> ModelConfig:
-    """The model section a LoRA checkpoint's base is rebuilt from."""
+def _base_config(meta: dict[str, Any], base: str | None) -> ModelConfig:
+    """The model section a LoRA checkpoint's base is rebuilt from (`base`: the model to use instead of
+    the recorded `model.name`)."""
     identity = meta["fingerprint"]["config"]
     fields = {
-        "name": identity["model.name"],
+        "name": absolute_local_path(base) or identity["model.name"],
         "tokenizer": identity["model.tokenizer"],
         "head": saved_head(meta),
     }
-    if identity["model.name"] == "tiny":
+    if fields["name"] == "tiny":
         fields |= {"tiny": identity["model.tiny"], "seed": identity["model.seed"]}
     return ModelConfig.model_validate(fields)
+
+
+def _relative(name: str | None) -> bool:
+    """A recorded model or tokenizer name that is relative to the training run's working directory if it
+    is a local path (not a built-in name, not absolute; it may also be a hub name)."""
+    return name is not None and name not in BUILT_IN and not Path(name).expanduser().is_absolute()
+
+
+def _relative_path(name: str | None) -> bool:
+    """A recorded name that is a relative local path: relative, and a path here or shaped like one."""
+    return _relative(name) and (Path(name).expanduser().exists() or looks_like_path(name))
+
+
+def _recorded(identity: dict[str, Any]) -> str:
+    """The base and tokenizer a checkpoint records, as its training config gave them."""
+    shown = [f"{key}={identity[key]!r}" for key in ("model.name", "model.tokenizer") if identity[key]]
+    return " and ".join(shown)
+
+
+def _load_base(root: Path, meta: dict[str, Any], base: str | None):
+    """A LoRA checkpoint's base model with its (untrained) adapters, and its model config. A base that
+    cannot be loaded is a ValueError that names what the checkpoint records and how to fix it."""
+    identity = meta["fingerprint"]["config"]
+    model_cfg = _base_config(meta, base)
+    used = [identity["model.name"] if base is None else None, identity["model.tokenizer"]]
+    if any(_relative(n) and Path(n).expanduser().exists() for n in used):
+        log.warning(
+            "checkpoint '%s' records %s, relative to its training run's working directory; loading it from "
+            "this directory (%s). If the run was started elsewhere, export from there or pass --base",
+            root,
+            _recorded(identity),
+            Path.cwd(),
+        )
+    try:
+        model = load_full_model(model_cfg, build_tokenizer(model_cfg))
+    except (ValueError, OSError) as e:
+        where = ""
+        if any(_relative(n) for n in used):
+            where = (
+                " (a local path there is relative to the directory the training run was started in, "
+                f"not to this one, {Path.cwd()})"
+            )
+        raise ValueError(
+            f"could not load the base model of LoRA checkpoint '{root}': its training config recorded "
+            f"{_recorded(identity)}{where}. Run `posttrain export` from the training run's directory, or "
+            f"pass the base model with --base DIR_OR_HUB_NAME. The error was: {e}"
+        ) from None
+    return with_lora(model, LoraSettings(**identity["lora"]), model_cfg.head), model_cfg
 
 
 def _trained(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -176,11 +246,11 @@ def _trained(root: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
+def _write_merged(
+    root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None, base: str | None
+) -> None:
     identity = meta["fingerprint"]["config"]
-    model_cfg = _base_config(meta)
-    base = load_full_model(model_cfg, build_tokenizer(model_cfg))
-    model = with_lora(base, LoraSettings(**identity["lora"]), model_cfg.head)
+    model, model_cfg = _load_base(root, meta, base)
     try:
         fingerprint = {"model": checkpoint.model_fingerprint(model), "config": identity}
         checkpoint.check_compatible(meta, fingerprint, root)
@@ -196,7 +266,9 @@ def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtyp
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _write_adapter(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None) -> None:
+def _write_adapter(
+    root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtype | None, base: str | None
+) -> None:
     identity = meta["fingerprint"]["config"]
     trained = _trained(root, meta)
     config = LoraSettings(**identity["lora"]).peft_config()
@@ -204,7 +276,14 @@ def _write_adapter(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dty
         params = meta["fingerprint"]["model"]["params"]
         adapted = {n.partition(".lora_A.")[0] for n in trained if ".lora_A." in n}
         config.target_modules = target_names(adapted, _module_names(params))
-    config.base_model_name_or_path = identity["model.name"]
+    config.base_model_name_or_path = absolute_local_path(base) or identity["model.name"]
+    if base is None and _relative_path(identity["model.name"]):
+        log.warning(
+            "adapter_config.json names the base model as checkpoint '%s' records it, model.name=%r: a local "
+            "path there is relative to the training run's working directory. Pass --base to write another",
+            root,
+            identity["model.name"],
+        )
     saved = ()
     if saved_head(meta) == "score":
         config.task_type, config.modules_to_save = "SEQ_CLS", [SCORE_HEAD]

@@ -51,6 +51,7 @@ from posttrain.policy.config import PolicyConfig
 from posttrain.policy.identity import check_lora_matches, checkpoint_identity, saved_identity
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
+from posttrain.policy.model_paths import as_recorded, with_absolute_paths
 from posttrain.policy.moe_verbs import RoutingVerbs
 from posttrain.policy.optim import build_optimizer, build_scheduler, set_base_lr
 from posttrain.policy.scalar_verbs import ScalarHeadVerbs
@@ -78,7 +79,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         master_port: int | None = None,
         seed: int = 0,
     ) -> None:
-        self.cfg = cfg
+        self.cfg = with_absolute_paths(cfg)  # the checkpoint records paths valid from anywhere
         self.rank, self.world_size = rank, world_size
         self.dims = cfg.parallel.dims(world_size)
         self._seed_generators(seed)
@@ -519,7 +520,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         info = checkpoint.load_checkpoint(
             path,
             self._checkpoint_state("load_checkpoint"),
-            identity=checkpoint_identity(self.cfg, saved),
+            identity=as_recorded(checkpoint_identity(self.cfg, saved), saved),
             mesh=self.dims.sizes(),
         )
         set_base_lr(self.optimizer, self.scheduler, self.cfg.optimizer.lr)

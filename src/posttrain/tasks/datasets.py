@@ -300,6 +300,14 @@ def tokenize_prompts(
     return ids
 
 
+def prompt_token_ids(texts: list[str], tokenizer: Any, fmt: PromptFormatConfig) -> list[list[int]]:
+    """Token ids of raw prompt texts as a task with prompt format `fmt` gives them to the policy: the
+    template around each (inside the tokenizer's chat template when used), then BOS as `fmt` says."""
+    use_chat = uses_chat_template(tokenizer, fmt)
+    formatted = [format_prompt(text, tokenizer, fmt, use_chat) for text in texts]
+    return tokenize_prompts(formatted, tokenizer, fmt, use_chat)
+
+
 def fitting_prompts(
     lengths: Sequence[int], ids: Sequence[int], fmt: PromptFormatConfig, name: str
 ) -> list[int]:

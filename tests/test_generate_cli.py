@@ -1,0 +1,144 @@
+"""`posttrain generate`: prompts are tokenized as training tokenizes them (the tokenizer's chat template
+when it has one, BOS first; --chat-template never and --no-bos turn them off), the model's generation
+config gives the sampling flags left unset, and a directory that is not a causal LM (a reward model's
+export, a peft adapter directory, a posttrain checkpoint) is refused with the way to one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForSequenceClassification, GenerationConfig
+
+from model_zoo import family_config, save_family_model
+from posttrain.cli import main
+from posttrain.generation import engine as engine_module
+from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
+from posttrain.tasks.datasets import PromptFormatConfig, format_prompt, tokenize_prompts
+
+SHORT = ["--max-new-tokens", "2"]
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple[list[list[int]], object]]:
+    """The (prompt ids, sampling params) of each engine.generate call the command makes."""
+    seen = []
+    original = engine_module.GenerationEngine.generate
+
+    def spy(self, prompts, params, *args, **kwargs):
+        seen.append((prompts, params))
+        return original(self, prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.GenerationEngine, "generate", spy)
+    return seen
+
+
+def model_dir(tmp_path: Path, tokenizer, generation: GenerationConfig | None = None) -> Path:
+    out = save_family_model("llama", tokenizer, tmp_path / "model")
+    if generation is not None:
+        generation.save_pretrained(out)
+    return out
+
+
+def message(capsys) -> str:
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_prompts_start_with_bos_as_in_training_and_an_empty_prompt_is_bos_alone(tmp_path, calls, capsys):
+    tok = build_char_tokenizer()
+    d = str(model_dir(tmp_path, tok))
+    trained = tokenize_prompts(["7+5=", ""], tok, PromptFormatConfig(chat_template="never"), False)
+    assert trained == [[tok.bos_token_id, *tok("7+5=", add_special_tokens=False)["input_ids"]], [1]]
+    assert main(["generate", d, "7+5=", "", "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == trained
+    assert main(["generate", d, "7+5=", "--greedy", "--no-bos", *SHORT]) == 0
+    assert calls[-1][0] == [trained[0][1:]]
+    assert main(["generate", d, "", "--no-bos", *SHORT]) == 2
+    assert "prompt 1 ('') has no tokens: drop --no-bos" in message(capsys)
+    assert main(["generate", d, "7+5=", "--chat-template", "always", *SHORT]) == 2
+    assert "the tokenizer of" in message(capsys)
+
+
+def test_a_chat_tokenizers_prompts_go_through_its_chat_template(tmp_path, calls):
+    tok = build_chat_tokenizer()
+    d = str(model_dir(tmp_path, tok))
+    assert main(["generate", d, "7+5=", "--greedy", *SHORT]) == 0
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "7+5="}], tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(calls[-1][0][0]) == "<s>" + chat
+    fmt = PromptFormatConfig()
+    assert calls[-1][0] == tokenize_prompts([format_prompt("7+5=", tok, fmt, True)], tok, fmt, True)
+    assert main(["generate", d, "7+5=", "--greedy", "--chat-template", "never", "--no-bos", *SHORT]) == 0
+    assert tok.decode(calls[-1][0][0]) == "7+5="
+
+
+def test_unset_sampling_flags_come_from_the_models_generation_config(tmp_path, calls):
+    tok = build_char_tokenizer()
+    sampled = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, eos_token_id=2)
+    d = str(model_dir(tmp_path, tok, sampled))
+    assert main(["generate", d, "1+2=", *SHORT]) == 0
+    p = calls[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.greedy) == (0.6, 0.9, 20, False)
+    assert main(["generate", d, "1+2=", "--top-k", "5", "--top-p", "0.5", *SHORT]) == 0
+    p = calls[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.greedy) == (0.6, 0.5, 5, False)
+    assert main(["generate", d, "1+2=", "--greedy", *SHORT]) == 0
+    assert calls[-1][1].greedy
+
+    GenerationConfig(do_sample=False, eos_token_id=2).save_pretrained(d)
+    assert main(["generate", d, "1+2=", *SHORT]) == 0
+    assert calls[-1][1].greedy
+    assert main(["generate", d, "1+2=", "--temperature", "0.7", *SHORT]) == 0  # a sampling flag samples
+    p = calls[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.greedy) == (0.7, 1.0, 0, False)
+
+    (Path(d) / "generation_config.json").unlink()  # derived from the model config: posttrain's defaults
+    assert main(["generate", d, "1+2=", *SHORT]) == 0
+    p = calls[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.greedy) == (1.0, 1.0, 0, False)
+
+
+def test_a_reward_model_export_is_refused_not_given_a_random_lm_head(tmp_path, capsys):
+    tok = build_char_tokenizer()
+    config = family_config("llama", len(tok), num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    assert main(["generate", str(tmp_path / "rm"), "1+2=", "--greedy", *SHORT]) == 1
+    said = message(capsys)
+    assert "is a LlamaForSequenceClassification: a reward model or critic" in said
+    assert "does not generate" in said and "AutoModelForSequenceClassification" in said
+
+
+def test_an_adapter_directory_and_a_checkpoint_are_refused_with_the_way_to_a_model(tmp_path, capsys):
+    tok = build_char_tokenizer()
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
+    tok.save_pretrained(adapter)
+    assert main(["generate", str(adapter), "1+2=", *SHORT]) == 1
+    said = message(capsys)
+    assert f"'{adapter}' is a peft adapter directory" in said
+    assert "without --adapter" in said and "peft.PeftModel.from_pretrained" in said
+    assert "'/models/base'" in said and "model_type" not in said
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "hf").mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    assert main(["generate", str(ckpt), "1+2=", *SHORT]) == 1
+    said = message(capsys)
+    assert f"'{ckpt}' is a posttrain checkpoint directory" in said
+    assert f"`posttrain export {ckpt} OUT_DIR`" in said and "policy.model" not in said
+
+
+def test_a_model_without_tokenizer_files_takes_one_from_the_tokenizer_flag(tmp_path, calls, capsys):
+    tok = build_char_tokenizer()
+    d = model_dir(tmp_path, tok)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink()
+    assert main(["generate", str(d), "1+2=", *SHORT]) == 1
+    assert "(generate --tokenizer DIR_OR_HUB_NAME)" in message(capsys)
+    tok.save_pretrained(tmp_path / "tok")
+    assert main(["generate", str(d), "1+2=", "--tokenizer", str(tmp_path / "tok"), *SHORT]) == 0
+    assert calls[-1][0][0][0] == tok.bos_token_id
