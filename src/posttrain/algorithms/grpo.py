@@ -254,6 +254,7 @@ def grpo_step(
     run.timings = {}
     with run.timed("generation"):
         rollouts = generate(run)
+    run.timings["timing/generation_s"] -= rollouts.metrics["timing/reward_s"]  # scoring: its own phase
     batch, adv_metrics = build_batch(run, rollouts)
     with run.timed("logprobs"):
         (logprobs_fn or add_logprobs)(run, batch)
