@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +30,24 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     are installed to a --target folder), plus `extra`."""
     path = os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@contextlib.contextmanager
+def logging_packages_found() -> Iterator[None]:
+    """While the block runs, the packages of the optional metrics sinks (tensorboard, wandb) that are not
+    installed are found as empty stand-in modules: a config that asks for a sink (the GPU example's
+    logging.tensorboard=true) then loads, its LoggingConfig checking only that the package is there."""
+    added = [
+        n for n in ("tensorboard", "wandb") if n not in sys.modules and importlib.util.find_spec(n) is None
+    ]
+    for name in added:
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
+    try:
+        yield
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 def policy_cfg(**overrides) -> PolicyConfig:

@@ -32,6 +32,7 @@ from posttrain.algorithms.async_grpo.contracts import (
 )
 from posttrain.algorithms.async_grpo.controller import AsyncGRPOController
 from posttrain.algorithms.async_grpo.ledger import GroupState
+from posttrain.algorithms.async_grpo.meters import COUNTERS, GROUP_COUNTERS
 from posttrain.algorithms.async_grpo.pool import Request
 from posttrain.rollout.contracts import SamplesCodec
 from posttrain.tasks.datasets import PromptItem
@@ -783,6 +784,28 @@ def test_metrics():
     assert sum(m["groups_admitted"] for m in metrics) == last["total/admitted"]
     assert last["total/admitted"] + last["total/dropped_stale"] == 16 and last["total/weight_pushes"] >= 2
     json.dumps(metrics)
+
+
+def test_per_step_counts_add_up_to_the_totals_with_work_between_steps():
+    """The steps' windows are back to back: groups that finish while `on_step` runs (here a checkpoint
+    settling the groups in flight) count in the next step, so no count falls between two steps."""
+    workers = [FakeRolloutWorker(f"w{i}", latency=0.01) for i in range(2)]
+    ctrl, _, _ = make(32, workers, trainer=FakeTrainer(train_latency=0.002), num_steps=4)
+    metrics: list[dict] = []
+    between = []
+
+    async def on_step(step, m):
+        metrics.append(m)
+        before = ctrl.meter.totals["generated_samples"]
+        await ctrl.checkpoint_state()
+        between.append(ctrl.meter.totals["generated_samples"] - before)
+
+    bounded_run(ctrl.run(on_step=on_step))
+    assert sum(between[:-1]) > 0, "nothing finished between two steps: the test checks nothing"
+    last = metrics[-1]
+    for k in COUNTERS:
+        per_step = sum(m[f"groups_{k}" if k in GROUP_COUNTERS else k] for m in metrics)
+        assert per_step == last[f"total/{k}"], k
 
 
 def test_async_on_step_callback_is_awaited():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -192,6 +193,32 @@ def test_reward_errors_stop_the_run_when_configured(tmp_path, flaky_reward_modul
 def test_unknown_reward_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no_such_module"):
         run_grpo(small_cfg(tmp_path, "task.reward_fn=no_such_module:reward"))
+
+
+def test_generation_time_leaves_out_the_reward_time(tmp_path, monkeypatch):
+    """timing/generation_s and timing/reward_s are separate phases: a clock that moves only while the
+    rewards are scored puts all of the step's time in timing/reward_s."""
+    from posttrain.algorithms import grpo as grpo_module
+
+    now = [0.0]
+    real_score = grpo_module.score
+
+    def slow_score(*args, **kwargs):
+        now[0] += 5.0
+        return real_score(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "score", slow_score)
+    monkeypatch.setattr(grpo_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    cfg = small_cfg(
+        tmp_path,
+        "grpo.max_num_steps=1",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "checkpointing.enabled=false",
+    )
+    run_grpo(cfg)
+    (row,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] == 1]
+    assert (row["timing/reward_s"], row["timing/generation_s"], row["step_time_s"]) == (5.0, 0.0, 5.0)
 
 
 def train_records_by(tmp_path, key: str, values, *overrides) -> dict[str, list[dict]]:

@@ -10,7 +10,9 @@ import torch
 from conftest import random_batch
 from helpers import assert_only_adapters_moved, assert_params_close, full_params, params_of, policy_cfg
 from posttrain.algorithms.losses import ClippedPGLoss, NLLLoss
+from posttrain.data.normalization import LossType
 from posttrain.policy.policy import Policy
+from posttrain.policy.train_step import merge_step_metrics
 from posttrain.policy.worker import PolicyWorker
 
 LOSSES = {
@@ -72,10 +74,54 @@ def test_sample_mask_zero_rows_do_not_contribute():
 
 
 def test_two_global_batches_take_two_steps():
+    batch = random_batch(8, 16, rl=True)
     policy = Policy(policy_cfg(train_global_batch_size=4))
-    metrics = policy.train(random_batch(8, 16, rl=True), NLLLoss())
+    metrics = policy.train(batch, NLLLoss())
     assert metrics["num_optimizer_steps"] == 2
     assert policy.get_states()[0]["trainer_version"] == 2
+    # the same two steps one call each: the counts add up, the version is the last step's
+    ref = Policy(policy_cfg(train_global_batch_size=4))
+    first, second = ref.train(batch[:4], NLLLoss()), ref.train(batch[4:], NLLLoss())
+    counts = ("global_valid_seqs", "global_valid_toks", "num_microbatches", "num_valid_samples")
+    assert {k: metrics[k] for k in counts} == {k: first[k] + second[k] for k in counts}
+    assert metrics["trainer_version"] == second["trainer_version"] == 2.0
+    assert metrics["lr"] == pytest.approx((first["lr"] + second["lr"]) / 2)
+
+
+def test_merging_steps_sums_counts_and_keeps_the_last_version():
+    steps = [
+        {"global_valid_seqs": 4.0, "global_valid_toks": 0.0, "num_microbatches": 1.0, "step_skipped": 1.0},
+        {
+            "global_valid_seqs": 3.0,
+            "global_valid_toks": 30.0,
+            "num_microbatches": 2.0,
+            "inert_seqs_skipped": 1.0,
+            "grad_norm": 2.0,
+            "lr": 0.1,
+            "trainer_version": 7.0,
+        },
+        {
+            "global_valid_seqs": 1.0,
+            "global_valid_toks": 10.0,
+            "num_microbatches": 1.0,
+            "inert_seqs_skipped": 0.0,
+            "grad_norm": 4.0,
+            "lr": 0.3,
+            "trainer_version": 8.0,
+        },
+    ]
+    merged = merge_step_metrics(steps, {}, LossType.TOKEN_LEVEL)
+    assert merged == {
+        "global_valid_seqs": 8.0,
+        "global_valid_toks": 40.0,
+        "num_microbatches": 4.0,
+        "step_skipped": 1.0,
+        "inert_seqs_skipped": 1.0,
+        "grad_norm": 3.0,
+        "lr": pytest.approx(0.2),
+        "trainer_version": 8.0,
+        "num_optimizer_steps": 3.0,
+    }
 
 
 @pytest.mark.distributed

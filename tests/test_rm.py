@@ -251,3 +251,21 @@ def test_failed_reward_model_scores_are_counted_in_the_step():
     )
     assert failed.tolist() == [False, True, False, False] and rewards[[0, 2, 3]].tolist() == [1.0, 2.0, 3.0]
     assert summary["reward_failed"] == 1 and summary["reward_failed_fraction"] == 0.25
+
+
+def test_failed_reward_model_scores_are_summed_over_the_draws_of_a_step():
+    """Dynamic sampling draws a step in several parts: the count of failed scores is their sum, the
+    reward model's mean score a mean weighted by each draw's samples."""
+    import torch
+
+    from posttrain.rollout.episodes import mean_metrics
+    from posttrain.rollout.reward_model import RewardModelConfig, combine_rewards
+
+    nan, cfg = float("nan"), RewardModelConfig(path="rm")
+    draws = [torch.tensor([nan, 1.0, 1.0, 1.0]), torch.tensor([nan, nan, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0])]
+    summaries = [
+        combine_rewards(torch.zeros(len(s)), torch.zeros(len(s), dtype=torch.bool), s, cfg)[2] for s in draws
+    ]
+    merged = mean_metrics(summaries, "reward/", [len(s) for s in draws])
+    assert merged["reward/model_failed"] == 3.0
+    assert merged["reward/model"] == pytest.approx((4 * 1.0 + 8 * 3.0) / 12)

@@ -28,6 +28,7 @@ from posttrain.algorithms.runs import (
     RunInterrupted,
     StopOnInterrupt,
     check_fresh_start,
+    failure,
     interrupted,
     optimizer_view,
     resume,
@@ -188,8 +189,12 @@ def run_grpo(
     check_fresh_start(cfg.output_dir, ckpt)
     run = setup(cfg, policy)
     run.companions = companions
-    last = resume_from(run, ckpt)  # the checkpoint's metrics: the result when nothing is left to train
-    metrics_log = start_history(run.out, cfg, ckpt, cfg.logging, run.step)
+    try:
+        last = resume_from(run, ckpt)  # the checkpoint's metrics: the result when nothing is left to train
+        metrics_log = start_history(run.out, cfg, ckpt, cfg.logging, run.step)
+    except BaseException:
+        shut_down_reward_model(run)
+        raise
     if run.step and run.step >= cfg.grpo.max_num_steps:
         log.warning("the run is at step %d already: nothing to train (raise grpo.max_num_steps)", run.step)
     progress = StepProgress(
@@ -199,6 +204,7 @@ def run_grpo(
         cfg.logging.progress_bar,
     )
     saved = run.step  # the newest checkpoint's step
+    failed = False
     try:
         with StopOnInterrupt(cfg.algorithm, cfg.checkpointing.enabled) as stop:
             if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
@@ -219,13 +225,20 @@ def run_grpo(
                     saved = run.step
             if stop.requested and keeps_going(run):
                 raise stop_here(run, ckpt, saved, last)
+    except BaseException as err:
+        failed = failure(err)
+        raise
     finally:
         progress.close()
-        metrics_log.close()
-        if run.reward_model is not None:
-            run.reward_model.shutdown()
+        metrics_log.close(failed=failed)
+        shut_down_reward_model(run)
     plot_metrics(metrics_log.path, run.out / "curves.png", episodes.CURVES)
     return last
+
+
+def shut_down_reward_model(run: Run) -> None:
+    if run.reward_model is not None:
+        run.reward_model.shutdown()
 
 
 def keeps_going(run: Run) -> bool:
@@ -254,6 +267,7 @@ def grpo_step(
     run.timings = {}
     with run.timed("generation"):
         rollouts = generate(run)
+    run.timings["timing/generation_s"] -= rollouts.metrics["timing/reward_s"]  # scoring: its own phase
     batch, adv_metrics = build_batch(run, rollouts)
     with run.timed("logprobs"):
         (logprobs_fn or add_logprobs)(run, batch)

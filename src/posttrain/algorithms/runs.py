@@ -220,7 +220,7 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
 
 # --------------------------------------------------------------------------- one run, one history
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "curves.png", "tb", "wandb")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "curves.png", "tb", "wandb", "wandb_run_id")
 
 
 def previous_run(out: Path, ckpt: CheckpointManager) -> list[Path]:
@@ -294,7 +294,7 @@ def write_config(out: Path, cfg: Config) -> None:
 
 def open_metrics(out: Path, cfg: LoggingConfig, resume_step: int | None) -> MetricsLogger:
     """The run's metrics log: started afresh, or (`resume_step`) kept up to that step and appended to."""
-    return MetricsLogger(out, cfg.tensorboard, cfg.wandb_project, resume_step=resume_step)
+    return MetricsLogger(out, cfg.tensorboard, cfg.wandb_project, cfg.wandb_run_name, resume_step)
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -307,6 +307,12 @@ class RunInterrupted(Exception):
         super().__init__(message)
         self.step = step
         self.checkpoint = checkpoint
+
+
+def failure(err: BaseException) -> bool:
+    """Whether `err` ending a run is a failure (the metrics log's `close(failed=...)`): any error but
+    `RunInterrupted`, Ctrl-C's stop at a step boundary."""
+    return not isinstance(err, RunInterrupted)
 
 
 class StopOnInterrupt:
@@ -396,7 +402,7 @@ def train_steps(
         held.update({f"val_{k}": val[k] for k in returned})
         return val["accuracy"]
 
-    step = 0
+    step, failed = 0, False
     try:
         if validate is not None:
             check(0)
@@ -419,7 +425,10 @@ def train_steps(
                 raise interrupted(what, step, cfg.max_num_steps, None, None)
             if cfg.save_final_model:
                 policy.save_hf(str(out / "hf"))
+    except BaseException as err:
+        failed = failure(err)
+        raise
     finally:
         progress.close()
-        metrics_log.close()
+        metrics_log.close(failed=failed)
     return {**last, **held}

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
+    failure,
     interrupted,
     open_metrics,
     shuffled_batches,
@@ -134,7 +135,7 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
     batches = example_batches(examples, cfg.policy.train_global_batch_size, cfg.seed)
     last: dict[str, float] = {}
-    step = 0
+    step, val, val_step, failed = 0, 0.0, -1, False  # val: the held-out loss at val_step
     try:
         with StopOnInterrupt("sft", saves=False) as stop:
             while step < cfg.max_num_steps and not stop.requested:
@@ -145,18 +146,23 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
                 metrics_log.log(last, step, prefix="train")
                 shown = {f"train/{k}": v for k, v in last.items()}
                 if heldout and cfg.val_period and step % cfg.val_period == 0:
-                    val = eval_loss(policy, heldout, pad_id)
+                    val, val_step = eval_loss(policy, heldout, pad_id), step
                     metrics_log.log({"loss": val}, step, prefix="val")
                     shown["val/loss"] = val
                 progress.update(step, shown)
             if step < cfg.max_num_steps:
                 raise interrupted("sft", step, cfg.max_num_steps, None, None)
             if heldout:
-                last["val_loss"] = eval_loss(policy, heldout, pad_id)
-                metrics_log.log({"loss": last["val_loss"]}, cfg.max_num_steps, prefix="val")
+                if val_step != step:  # the last step was not validated in the loop
+                    val = eval_loss(policy, heldout, pad_id)
+                    metrics_log.log({"loss": val}, step, prefix="val")
+                last["val_loss"] = val
             if cfg.save_final_model:
                 policy.save_hf(str(out / "hf"))
+    except BaseException as err:
+        failed = failure(err)
+        raise
     finally:
         progress.close()
-        metrics_log.close()
+        metrics_log.close(failed=failed)
     return last

@@ -159,13 +159,20 @@ def reduce_step(step: OpenStep, all_reduce: Callable) -> tuple[dict[str, float],
     return metrics, seqs, toks, nonfinite
 
 
+# the counts `reduce_step` and `finish_train_step` add to a step's metrics (summed over steps)
+STEP_COUNTS = frozenset(
+    {"global_valid_seqs", "global_valid_toks", "num_microbatches", "inert_seqs_skipped", "step_skipped"}
+)
+
+
 def merge_step_metrics(
     results: list[dict[str, float]], kinds: dict[str, MetricKind], loss_type: LossType
 ) -> dict[str, float]:
     """Combine the metrics of several optimizer steps: a declared token / sequence / loss mean weighted
     by each step's valid tokens / sequences / loss normalizer (`loss_type`), so a last step of a few
-    real samples (a held-out set padded to whole global batches) counts for those few; other values
-    plain means; counts summed; min/max."""
+    real samples (a held-out set padded to whole global batches) counts for those few; counts (declared
+    `none` and the step's own, `STEP_COUNTS`) summed; min/max; `trainer_version` the last step's; other
+    values (gradient norm, learning rate) plain means."""
     if len(results) == 1:
         return dict(results[0])
 
@@ -174,10 +181,13 @@ def merge_step_metrics(
         return {"toks": toks, "seqs": seqs, "loss_type": loss_normalizer(loss_type, seqs, toks)}[kind]
 
     out: dict[str, float] = {}
-    for name in results[0]:
+    for name in dict.fromkeys(k for r in results for k in r):  # a skipped step lacks some keys
         present = [r for r in results if name in r]
         values = [r[name] for r in present]
-        kind = kinds.get(name)  # undeclared (the step's own counts and norms): plain means
+        if name == "trainer_version":
+            out[name] = values[-1]
+            continue
+        kind = "none" if name in STEP_COUNTS else kinds.get(name)  # other undeclared ones: plain means
         if kind in ("none", "min", "max"):
             acc = identity_of(kind)
             for v in values:

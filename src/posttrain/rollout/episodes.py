@@ -94,7 +94,9 @@ def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 CURVES = ("reward", "val/accuracy", "env/tool_calls", "env/turns")  # curves.png (absent keys are skipped)
 
 
-_COUNTS = ("env/failed",)  # summed over draws or groups, never averaged
+# counts (failed episodes, reward-model scores that were not finite): summed over draws or groups,
+# never averaged; the other metrics under these prefixes are means
+_COUNTS = ("env/failed", "reward/model_failed")
 
 
 def mean_metrics(

@@ -118,9 +118,9 @@ class AsyncGRPOController:
         self._running = True
         self.pool.start()
         try:
+            self.meter.begin_window(*self.pool.generation_time())  # each step's ends where the next begins
             await self._start()
             while self.cfg.num_steps is None or self.step < self.cfg.num_steps:
-                self.meter.begin_window(*self.pool.generation_time())
                 metrics = await self._train_step()
                 if metrics is None:
                     break

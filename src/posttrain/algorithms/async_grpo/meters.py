@@ -1,7 +1,10 @@
 """Time and count accounting of the asynchronous GRPO loop: idle fractions, staleness histogram, throughput.
 
-The controller calls `StepMeter.begin_window()` when a step starts and `StepMeter.step_metrics(...)`
-when it ends; everything is measured over that window with the event loop's clock.
+The controller calls `StepMeter.begin_window()` when a run starts and `StepMeter.step_metrics(...)` when
+each step ends; everything is measured over the step's window with the event loop's clock. The windows
+are back to back (the next starts where the last ended), so what happens between two steps (validation,
+a checkpoint, the `on_step` hooks) falls in the next step's window, and the per-step counts and times
+add up to the run's.
 """
 
 from __future__ import annotations
@@ -68,16 +71,24 @@ class StepMeter:
         self.totals[name] += n
 
     def begin_window(self, gen_busy: float, gen_alive: float) -> None:
-        self._window_start = self.clock()
+        """Start the first step's window (`gen_busy`, `gen_alive`: the rollout workers' readings now)."""
+        now = self.clock()
+        self._start_window(now, self._idle_total(now), gen_busy, gen_alive)
+
+    def _start_window(self, now: float, idle: float, gen_busy: float, gen_alive: float) -> None:
+        self._window_start = now
         self._window_totals = Counter(self.totals)
-        self._window_idle = self._idle_total()
+        self._window_idle = idle
         self._window_gen = (gen_busy, gen_alive)
 
     def step_metrics(
         self, lags: list[int], samples: int, gen_busy: float, gen_alive: float
     ) -> dict[str, float]:
-        """Metrics of the window that ends now (`lags`: one per trained group, `samples`: trained samples)."""
-        elapsed = max(self.clock() - self._window_start, 1e-9)
+        """Metrics of the window that ends now (`lags`: one per trained group, `samples`: trained samples);
+        the next window starts from the same readings."""
+        now = self.clock()
+        idle = self._idle_total(now)
+        elapsed = max(now - self._window_start, 1e-9)
         delta = {k: self.totals[k] - self._window_totals.get(k, 0) for k in COUNTERS}
         busy = gen_busy - self._window_gen[0]
         alive = gen_alive - self._window_gen[1]
@@ -86,7 +97,7 @@ class StepMeter:
             "step_time_s": elapsed,
             "samples_per_s": samples / elapsed,
             "generated_samples_per_s": delta["generated_samples"] / elapsed,
-            "trainer_idle_fraction": min(1.0, max(0.0, (self._idle_total() - self._window_idle) / elapsed)),
+            "trainer_idle_fraction": min(1.0, max(0.0, (idle - self._window_idle) / elapsed)),
             "generation_idle_fraction": min(1.0, max(0.0, 1.0 - busy / alive)) if alive > 0 else 1.0,
             "staleness/mean": sum(lags) / len(lags) if lags else 0.0,
             "staleness/max": float(max(lags)) if lags else 0.0,
@@ -96,14 +107,15 @@ class StepMeter:
         for k in COUNTERS:
             out[f"groups_{k}" if k in GROUP_COUNTERS else k] = float(delta[k])
             out[f"total/{k}"] = float(self.totals[k])
+        self._start_window(now, idle, gen_busy, gen_alive)
         return out
 
-    def _idle_total(self) -> float:
-        """Cumulative trainer idle seconds (only differences between two readings are meaningful)."""
+    def _idle_total(self, now: float) -> float:
+        """Cumulative trainer idle seconds at `now` (only differences between two readings are meaningful)."""
         busy = self.trainer_busy() if self.trainer_busy is not None else None
         if busy is not None:
-            return self.clock() - busy
-        return self.trainer_idle.total()
+            return now - busy
+        return self.trainer_idle.total(now)
 
     def state_dict(self) -> dict[str, Any]:
         return {"totals": dict(self.totals)}

@@ -53,6 +53,7 @@ from posttrain.algorithms.losses import ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
     check_fresh_start,
+    failure,
     interrupted,
     optimizer_view,
     resume,
@@ -546,6 +547,7 @@ def run_async_grpo(
         last.update(metrics)
         return hook(r, step, metrics) if hook is not None else None
 
+    failed = False
     try:
         with StopOnInterrupt("grpo-async", cfg.checkpointing.enabled) as stop:
             summary = asyncio.run(train(run, metrics_log, keep_last, stop))
@@ -554,8 +556,11 @@ def run_async_grpo(
         final = summary_metrics(summary)
         metrics_log.log(final, summary.steps)
         last.update(final)
+    except BaseException as err:
+        failed = failure(err)
+        raise
     finally:
-        metrics_log.close()
+        metrics_log.close(failed=failed)
         close(run)
     plot_metrics(metrics_log.path, out / "curves.png", CURVES)
     return last
