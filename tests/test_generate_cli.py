@@ -131,6 +131,10 @@ def test_an_adapter_directory_and_a_checkpoint_are_refused_with_the_way_to_a_mod
     assert f"'{ckpt}' is a posttrain checkpoint directory" in said
     assert f"`posttrain export {ckpt} OUT_DIR`" in said and "policy.model" not in said
 
+    d = model_dir(tmp_path, tok)  # a model directory that also holds a file of that name is a model
+    (d / "metadata.json").write_text("{}")
+    assert main(["generate", str(d), "1+2=", "--greedy", *SHORT]) == 0
+
 
 def test_a_model_without_tokenizer_files_takes_one_from_the_tokenizer_flag(tmp_path, calls, capsys):
     tok = build_char_tokenizer()
@@ -142,3 +146,25 @@ def test_a_model_without_tokenizer_files_takes_one_from_the_tokenizer_flag(tmp_p
     tok.save_pretrained(tmp_path / "tok")
     assert main(["generate", str(d), "1+2=", "--tokenizer", str(tmp_path / "tok"), *SHORT]) == 0
     assert calls[-1][0][0][0] == tok.bos_token_id
+
+
+@pytest.mark.parametrize(
+    ("written", "greedy"),
+    [
+        ({"do_sample": True, "temperature": 0.0}, True),
+        ({"do_sample": True, "top_p": 0.0, "top_k": -1}, False),
+    ],
+)
+def test_a_generation_config_outside_the_flags_range_is_read_as_transformers_reads_it(
+    tmp_path, calls, written, greedy
+):
+    """Temperature 0 is greedy decoding; a top_p of 0 or a negative top_k (which transformers refuses or
+    ignores) falls back to the defaults instead of failing the command; --greedy drops the model's
+    sampling settings whatever they are."""
+    d = model_dir(tmp_path, build_char_tokenizer())
+    (d / "generation_config.json").write_text(json.dumps({**written, "eos_token_id": 2}))
+    assert main(["generate", str(d), "1+2=", *SHORT]) == 0
+    p = calls[-1][1]
+    assert (p.greedy, p.top_p, p.top_k) == (greedy, 1.0, 0)
+    assert main(["generate", str(d), "1+2=", "--greedy", *SHORT]) == 0
+    assert calls[-1][1].greedy and calls[-1][1].temperature == 1.0

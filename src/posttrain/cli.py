@@ -210,8 +210,8 @@ def _sampling(args: argparse.Namespace, model):
     if given:
         fields.pop("greedy", None)
     fields |= given
-    if args.greedy:
-        fields["greedy"] = True
+    if args.greedy:  # the model's sampling settings do not apply to greedy decoding
+        fields = {**given, "greedy": True}
     return _flag_checked(SamplingParams, {"max_new_tokens": args.max_new_tokens, "seed": args.seed}, **fields)
 
 

@@ -161,10 +161,16 @@ def model_sampling_defaults(generation_config: Any) -> dict[str, Any]:
     derived from the model config (a model saved without sampling defaults)."""
     if generation_config is None or getattr(generation_config, "_from_model_config", False):
         return {}
-    if getattr(generation_config, "do_sample", None) is False:
-        return {"greedy": True}
-    out = {k: getattr(generation_config, k, None) for k in ("temperature", "top_p", "top_k")}
-    return {k: v for k, v in out.items() if v is not None}
+    temperature = getattr(generation_config, "temperature", None)
+    if getattr(generation_config, "do_sample", None) is False or temperature == 0:
+        return {"greedy": True}  # temperature 0 is a common spelling of greedy decoding
+    valid = {  # values that mean "off" or that transformers itself refuses are left to the defaults
+        "temperature": lambda v: v > 0,
+        "top_p": lambda v: 0 < v <= 1,
+        "top_k": lambda v: v >= 0,
+    }
+    out = {k: getattr(generation_config, k, None) for k in valid}
+    return {k: v for k, v in out.items() if v is not None and valid[k](v)}
 
 
 @dataclass

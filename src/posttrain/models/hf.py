@@ -172,7 +172,7 @@ def hf_source(name: str) -> tuple[str, dict[str, Any]]:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"model path '{name}' is a file; pass the directory holding config.json")
-        if (path / METADATA_FILE).is_file():
+        if (path / METADATA_FILE).is_file() and not (path / "config.json").is_file():  # checkpoints have none
             raise ValueError(
                 f"'{name}' is a posttrain checkpoint directory, not a Hugging Face model directory. Export "
                 f"it first (`posttrain export {name} OUT_DIR`) and pass OUT_DIR"
