@@ -29,6 +29,7 @@ from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, StepProgress, get_logger
 from posttrain.policy.config import PolicyConfig
+from posttrain.policy.identity import check_lora_matches, saved_identity
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.tasks.build import TaskConfig, build_task
@@ -127,6 +128,9 @@ def resume(
     extra = read_json(path / "extra_state.json")
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
+    # a full checkpoint in a LoRA run (or the reverse) is refused naming the way across, before its
+    # policy.lora settings are compared
+    check_lora_matches(policy.cfg, str(path), saved_identity(str(path)))
     saved = extra.get("config", {})
 
     def at_default(key: str) -> bool:
@@ -204,7 +208,8 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
     """The policy settings a resumed run shares with its checkpoint: the optimizer's and the schedule's
     (the checkpoint restores their state; list `policy.optimizer.lr` in `may_change`: the worker applies
     a new one) and the others that shape each update: precision, gradient clipping, the logprobs'
-    temperature, the MoE losses and routing, and (`batch_size`) the samples per optimizer step."""
+    temperature, the MoE losses and routing, dropout (the model's, LoRA's), and (`batch_size`) the samples
+    per optimizer step."""
     view = {
         "optimizer": policy.optimizer.model_dump(mode="json"),
         "scheduler": [s.model_dump(mode="json") for s in policy.scheduler],
@@ -212,7 +217,10 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
         "max_grad_norm": policy.max_grad_norm,
         "logprob_temperature": policy.scoring_temperature,
         "moe": policy.moe.model_dump(mode="json"),
+        "model": {"disable_dropout": policy.model.disable_dropout},
     }
+    if policy.lora is not None:
+        view["lora"] = {"dropout": policy.lora.dropout}
     if batch_size:
         view["train_global_batch_size"] = policy.train_global_batch_size
     return view

@@ -48,7 +48,7 @@ from posttrain.models.lora import (
 )
 from posttrain.models.scalar_head import SCORE_HEAD
 from posttrain.policy.config import ModelConfig
-from posttrain.policy.identity import saved_head
+from posttrain.policy.identity import BASE, base_weights, other_base, saved_head
 from posttrain.policy.model_init import build_tokenizer, load_full_model, with_lora
 
 log = get_logger(__name__)
@@ -180,6 +180,12 @@ def _write_merged(root: Path, meta: dict[str, Any], out: Path, dtype: torch.dtyp
     identity = meta["fingerprint"]["config"]
     model_cfg = _base_config(meta)
     base = load_full_model(model_cfg, build_tokenizer(model_cfg))
+    if other_base(identity, now := base_weights(model_cfg)):
+        raise ValueError(
+            f"the base model in model.name={model_cfg.name!r} is not the one the adapters of '{root}' were "
+            f"trained on: its weights were replaced (checkpoint {identity[BASE]}, now {now}). Put the "
+            f"original base model back there, or export the adapters alone (--adapter)"
+        )
     model = with_lora(base, LoraSettings(**identity["lora"]), model_cfg.head)
     try:
         fingerprint = {"model": checkpoint.model_fingerprint(model), "config": identity}
