@@ -223,6 +223,32 @@ def test_sigint_stops_an_async_run_with_a_checkpoint_it_resumes_from(tmp_path):
     assert last["summary/steps"] == 2 and _steps(out) == [1, 2]
 
 
+def test_the_checkpoint_of_a_sync_stop_holds_the_stopped_steps_own_metrics(tmp_path):
+    """Ctrl-C at step 3 (val_period 2): the stop's checkpoint records step 3's metrics, not step 2's
+    validation, so keep_top_k by val/accuracy does not rank step 3 by a value it never measured."""
+    step_fn, send = grpo_module.grpo_step, _sigint_at(3)
+
+    def step_then_sigint(run):
+        metrics = step_fn(run)
+        send(run.step)
+        return metrics
+
+    out = tmp_path / "run"
+    cfg = small_grpo_cfg(
+        out,
+        "grpo.max_num_steps=6",
+        "grpo.val_at_start=false",
+        "checkpointing.keep_top_k=2",
+        "checkpointing.metric_name=val/accuracy",
+    )  # val_period 2, save_period 2
+    with pytest.raises(RunInterrupted, match="interrupted at step 3 of 6"):
+        run_grpo(cfg, step_fn=step_then_sigint)
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert "val/accuracy" in rows[2] and "val/accuracy" not in rows[3]
+    saved = json.loads((out / "checkpoints" / "step_3" / "extra_state.json").read_text())["metrics"]
+    assert "val/accuracy" not in saved and saved["reward"] == rows[3]["reward"]
+
+
 def test_sigint_in_sync_grpo_and_sft_in_process(tmp_path, monkeypatch, capsys):
     """The CLI's exit code and line for a sync run (signal from inside a step), and SFT, which says
     that nothing is saved."""
