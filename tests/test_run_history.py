@@ -120,6 +120,39 @@ def test_resume_never_needs_consent_and_then_deletes_the_old_run(tmp_path, capsy
     assert extra["config"]["grpo"]["seed"] == 1
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo", "rm"])
+def test_runs_without_checkpoints_refuse_an_output_dir_that_holds_a_run_unless_overwrite(
+    tmp_path, command, capsys
+):
+    """SFT, DPO and reward-model runs keep one run per output directory too: a second run there is
+    refused (nothing touched) unless --overwrite, which deletes the previous run first."""
+    from posttrain.cli import config_class
+
+    out = tmp_path / "run"
+    small = {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}}}
+    small |= {"train_global_batch_size": 8, "microbatch": {"train_micro_batch_size": 8}}
+    fields = {"policy": small, "max_num_steps": 1, "val_period": 0, "output_dir": str(out)}
+    cfg = config_class(command).model_validate(fields | {"logging": {"progress_bar": False}})
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    argv = [command, "--config", str(tmp_path / "cfg.yaml")]
+    assert cli_main(argv) == 0
+    (out / "hf" / "left_by_the_first_run").write_text("")
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main(argv + ["seed=1"]) == 1
+    printed = " ".join("".join(capsys.readouterr()).split())
+    assert (
+        f"already holds a run (metrics.jsonl, config.yaml, hf); a new {command} run would replace it"
+        in printed
+    )
+    assert "pass --overwrite (or set overwrite=true)" in printed
+    assert _snapshot(out) == before
+    assert cli_main(argv + ["seed=1", "--overwrite"]) == 0
+    assert "seed: 1" in (out / "config.yaml").read_text()
+    assert not (out / "hf" / "left_by_the_first_run").exists() and (out / "hf" / "config.json").is_file()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r] == [1]
+
+
 # --------------------------------------------------------------------------- a new learning rate
 
 
