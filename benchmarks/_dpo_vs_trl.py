@@ -72,6 +72,7 @@ def posttrain_config(s: DPOSetting, init: Path, out: Path, seed: int):
             "seed": seed,
             "save_final_model": False,
             "output_dir": str(out),
+            "overwrite": True,  # a --workdir used before
             "logging": {"progress_bar": False},
         }
     )

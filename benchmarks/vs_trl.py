@@ -152,6 +152,7 @@ def warm_start(s: Setting, out: Path, model: dict | None = None, source: dict | 
             "max_num_steps": s.sft_steps,
             "val_period": 0,
             "output_dir": str(out),
+            "overwrite": True,  # a --workdir used before: the warm start runs again
             "logging": {"progress_bar": False},
         }
     )

@@ -21,6 +21,7 @@ import torch
 
 from helpers import actor_killer, assert_params_close, lagged_grpo_step, sync_config_like
 from helpers import small_async_grpo_cfg as small_cfg
+from posttrain import checkpoint
 from posttrain.algorithms.async_grpo.config import AsyncGRPORunConfig, worker_config
 from posttrain.algorithms.async_grpo.contracts import AsyncGRPOError
 from posttrain.algorithms.async_grpo.ledger import BufferedGroup
@@ -525,6 +526,34 @@ def test_local_run_logs_validates_checkpoints_and_resumes(tmp_path):
         assert r["train/importance_weight"] > 0 and 0 <= r["staleness/max"] <= 1
         assert r["weight_sync/probe_max_abs_diff"] < 1e-4 and not math.isnan(r["reward"])
     assert (out / "checkpoints" / "step_4" / "metadata.json").is_file()
+
+
+def test_a_run_continued_from_its_last_step_trains_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    """The checkpoint of a run's last step is settled like a mid-run one (its weights go out, the groups
+    in flight are finished and sealed): 2 steps continued to 4 take the steps of 4 uninterrupted. The
+    golden runs' dense reward, so that the steps train; on the CPU, where a group's samples do not
+    depend on the engine's batch shape."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "golden"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    golden = (
+        "task.reward_fn=golden_reward:reward",
+        "task.reward.max_failed_fraction=1.0",
+        "policy.optimizer.lr=1e-2",
+    )
+    whole, continued = tmp_path / "whole", tmp_path / "continued"
+    run_async_grpo(small_cfg(whole, *golden))
+    run_async_grpo(small_cfg(continued, "async_grpo.num_steps=2", *golden))
+    run_async_grpo(small_cfg(continued, *golden))  # resumes from step 2
+
+    def steps(out: Path) -> list[dict]:
+        keys = ("step", "reward", "train/loss", "train/grad_norm", "val/accuracy")
+        return [{k: r.get(k) for k in keys} for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+
+    assert steps(continued) == steps(whole)
+    for step in (2, 4):
+        want = checkpoint.read_model_tensors(whole / "checkpoints" / f"step_{step}")
+        got = checkpoint.read_model_tensors(continued / "checkpoints" / f"step_{step}")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_refused_resume_releases_the_policy_and_leaves_a_callers_policy_unloaded(tmp_path, monkeypatch):

@@ -59,6 +59,19 @@ def test_a_metric_name_the_step_does_not_log_is_warned_about_once(tmp_path, capl
     assert not [r for r in caplog.records if "metric_name" in r.getMessage()]
 
 
+def test_a_validation_metric_at_a_step_that_did_not_validate_names_the_periods(tmp_path, caplog):
+    """metric_name=val/accuracy, first saved at a step without validation: the cause is that save_period
+    does not line up with val_period (no suggestion of the very name set)."""
+    cfg = CheckpointingConfig(save_period=3, keep_top_k=1, metric_name="val/accuracy")
+    CheckpointManager(cfg, tmp_path).save(FakePolicy(), 3, {"step": 3}, {"reward": 0.1})
+    (warned,) = [r.getMessage() for r in caplog.records if "metric_name" in r.getMessage()]
+    assert "step 3 saved without validating" in warned
+    assert (
+        "checkpointing.save_period=3 does not line up with the validation period (grpo.val_period)" in warned
+    )
+    assert "did you mean" not in warned and "e.g. val/accuracy" not in warned
+
+
 def test_resume_modes(tmp_path):
     mgr = CheckpointManager(CheckpointingConfig(resume="never"), tmp_path)
     mgr.save(FakePolicy(), 3, {}, {})

@@ -125,6 +125,44 @@ def test_resume_accepts_a_checkpoint_written_before_a_setting_existed(tmp_path, 
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
 
 
+def test_resume_refuses_changed_dropout_and_accepts_an_older_checkpoint_at_the_default(tmp_path, monkeypatch):
+    """Dropout shapes each update: a resume with another policy.lora.dropout or policy.model.disable_dropout
+    is refused, naming the key. A checkpoint written before they were compared resumes at their defaults
+    and refuses other values."""
+    from posttrain.algorithms import grpo
+
+    lora = ("policy.lora.rank=4", "policy.lora.alpha=8")
+    run_grpo(small_cfg(tmp_path / "a", "grpo.max_num_steps=1", *lora))
+    with pytest.raises(ValueError, match=r"policy.lora.dropout: checkpoint 0.0, now 0.1"):
+        run_grpo(small_cfg(tmp_path / "a", "grpo.max_num_steps=2", *lora, "policy.lora.dropout=0.1"))
+    with pytest.raises(ValueError, match=r"policy.model.disable_dropout: checkpoint True, now False"):
+        run_grpo(
+            small_cfg(tmp_path / "a", "grpo.max_num_steps=2", *lora, "policy.model.disable_dropout=false")
+        )
+
+    view = grpo._resume_view
+
+    def older(cfg):
+        out = view(cfg)
+        out["policy"] = {k: v for k, v in out["policy"].items() if k not in ("model", "lora")}
+        return out
+
+    monkeypatch.setattr(grpo, "_resume_view", older)
+    run_grpo(small_cfg(tmp_path / "b", "grpo.max_num_steps=1", *lora))
+    monkeypatch.setattr(grpo, "_resume_view", view)
+    with pytest.raises(ValueError, match=r"policy.lora.dropout: checkpoint None, now 0.1"):
+        run_grpo(small_cfg(tmp_path / "b", "grpo.max_num_steps=2", *lora, "policy.lora.dropout=0.1"))
+    run_grpo(small_cfg(tmp_path / "b", "grpo.max_num_steps=2", *lora))
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+
+
+def test_a_lora_checkpoint_is_not_resumed_as_a_full_run_with_a_changed_setting(tmp_path):
+    """A LoRA checkpoint in a full run: the refusal names the way across (not a changed policy.lora)."""
+    run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=1", "policy.lora.rank=4", "policy.lora.alpha=8"))
+    with pytest.raises(ValueError, match="holds LoRA adapters .* set the same policy.lora to resume it"):
+        run_grpo(small_cfg(tmp_path, "grpo.max_num_steps=2"))
+
+
 @pytest.fixture
 def flaky_reward_module(tmp_path, monkeypatch):
     """A reward module that raises for prompts with an even answer and scores the rest by length + 1;

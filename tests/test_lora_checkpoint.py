@@ -8,6 +8,7 @@ resumes from its run's directory."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import peft
@@ -26,7 +27,9 @@ from posttrain.cli import main
 from posttrain.logging import read_metrics
 from posttrain.models.lora import is_adapter_key, peft_state_dict
 from posttrain.models.tokenizer import build_char_tokenizer
-from posttrain.policy import export
+from posttrain.policy import export, worker
+from posttrain.policy.config import ModelConfig
+from posttrain.policy.identity import BASE, base_weights
 from posttrain.policy.model_init import build_tokenizer, load_full_model
 from posttrain.policy.policy import Policy
 
@@ -133,6 +136,64 @@ def test_full_and_lora_checkpoints_refuse_each_other(tmp_path):
     other_base = Policy(cfg(model={"seed": 1}))
     with pytest.raises(ValueError, match="model.seed: checkpoint 0, current 1"):
         other_base.load_checkpoint(tmp_path / "lora")
+
+
+def test_a_replaced_base_is_refused_and_a_checkpoint_without_its_record_loads(tmp_path, monkeypatch):
+    """A LoRA checkpoint records its base directory's weights: replaced by others of the same shape (an
+    SFT run re-run into it), loading and the merged export are refused, naming the base and the fix; with
+    the original weights back, both work. A checkpoint written before the record existed loads."""
+    base = tmp_path / "base"
+
+    def write_base(seed: int) -> None:
+        shutil.rmtree(base, ignore_errors=True)
+        p = Policy(cfg(lora=None, model={"seed": seed}))
+        p.save_hf(str(base))
+        p.shutdown()
+
+    write_base(0)
+    on_base = cfg(model={"name": str(base)})
+    policy = Policy(on_base)
+    train(policy, range(1))
+    policy.save_checkpoint(tmp_path / "ckpt")
+    identity = worker.checkpoint_identity
+    with monkeypatch.context() as m:  # as written before the base was recorded
+        m.setattr(worker, "checkpoint_identity", lambda *a, **k: without(identity(*a, **k), BASE))
+        policy.save_checkpoint(tmp_path / "older")
+    policy.shutdown()
+    original = (base / "model.safetensors").read_bytes()
+
+    write_base(1)
+    other = Policy(on_base)
+    with pytest.raises(ValueError, match="trained on other base weights") as err:
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert f"policy.model.name={str(base)!r}" in str(err.value)
+    assert "Point policy.model.name at the original base model" in str(err.value)
+    with pytest.raises(ValueError, match="its weights were replaced"):
+        export.export_hf(tmp_path / "ckpt", tmp_path / "out")
+    other.load_checkpoint(tmp_path / "older")  # no record: unknown, not refused
+    other.shutdown()
+
+    (base / "model.safetensors").write_bytes(original)
+    again = Policy(on_base)
+    again.load_checkpoint(tmp_path / "ckpt")
+    assert train(again, range(1, 2))
+    again.shutdown()
+    export.export_hf(tmp_path / "ckpt", tmp_path / "out")
+
+
+def test_a_hub_base_is_identified_by_its_cached_revision(monkeypatch):
+    import huggingface_hub
+
+    snapshot = "/hf/hub/models--org--m/snapshots/0123abcd/config.json"
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda name, file: snapshot)
+    assert base_weights(ModelConfig(name="org/m")) == "revision:0123abcd"
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda name, file: None)
+    assert base_weights(ModelConfig(name="org/m")) is None  # not cached: unknown
+    assert base_weights(ModelConfig()) is None  # the tiny model: its seed is recorded
+
+
+def without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
 
 
 def test_grpo_resume_auto_with_lora(tmp_path, monkeypatch):

@@ -120,6 +120,39 @@ def test_resume_never_needs_consent_and_then_deletes_the_old_run(tmp_path, capsy
     assert extra["config"]["grpo"]["seed"] == 1
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo", "rm"])
+def test_runs_without_checkpoints_refuse_an_output_dir_that_holds_a_run_unless_overwrite(
+    tmp_path, command, capsys
+):
+    """SFT, DPO and reward-model runs keep one run per output directory too: a second run there is
+    refused (nothing touched) unless --overwrite, which deletes the previous run first."""
+    from posttrain.cli import config_class
+
+    out = tmp_path / "run"
+    small = {"model": {"tiny": {"hidden_size": 32, "intermediate_size": 64}}}
+    small |= {"train_global_batch_size": 8, "microbatch": {"train_micro_batch_size": 8}}
+    fields = {"policy": small, "max_num_steps": 1, "val_period": 0, "output_dir": str(out)}
+    cfg = config_class(command).model_validate(fields | {"logging": {"progress_bar": False}})
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    argv = [command, "--config", str(tmp_path / "cfg.yaml")]
+    assert cli_main(argv) == 0
+    (out / "hf" / "left_by_the_first_run").write_text("")
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert cli_main(argv + ["seed=1"]) == 1
+    printed = " ".join("".join(capsys.readouterr()).split())
+    assert (
+        f"already holds a run (metrics.jsonl, config.yaml, hf); a new {command} run would replace it"
+        in printed
+    )
+    assert "pass --overwrite (or set overwrite=true)" in printed
+    assert _snapshot(out) == before
+    assert cli_main(argv + ["seed=1", "--overwrite"]) == 0
+    assert "seed: 1" in (out / "config.yaml").read_text()
+    assert not (out / "hf" / "left_by_the_first_run").exists() and (out / "hf" / "config.json").is_file()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r] == [1]
+
+
 # --------------------------------------------------------------------------- a new learning rate
 
 
@@ -221,6 +254,32 @@ def test_sigint_stops_an_async_run_with_a_checkpoint_it_resumes_from(tmp_path):
     assert signal.getsignal(signal.SIGINT) is before  # handler restored
     last = run_async_grpo(small_async_grpo_cfg(out, "async_grpo.num_steps=2"))
     assert last["summary/steps"] == 2 and _steps(out) == [1, 2]
+
+
+def test_the_checkpoint_of_a_sync_stop_holds_the_stopped_steps_own_metrics(tmp_path):
+    """Ctrl-C at step 3 (val_period 2): the stop's checkpoint records step 3's metrics, not step 2's
+    validation, so keep_top_k by val/accuracy does not rank step 3 by a value it never measured."""
+    step_fn, send = grpo_module.grpo_step, _sigint_at(3)
+
+    def step_then_sigint(run):
+        metrics = step_fn(run)
+        send(run.step)
+        return metrics
+
+    out = tmp_path / "run"
+    cfg = small_grpo_cfg(
+        out,
+        "grpo.max_num_steps=6",
+        "grpo.val_at_start=false",
+        "checkpointing.keep_top_k=2",
+        "checkpointing.metric_name=val/accuracy",
+    )  # val_period 2, save_period 2
+    with pytest.raises(RunInterrupted, match="interrupted at step 3 of 6"):
+        run_grpo(cfg, step_fn=step_then_sigint)
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert "val/accuracy" in rows[2] and "val/accuracy" not in rows[3]
+    saved = json.loads((out / "checkpoints" / "step_3" / "extra_state.json").read_text())["metrics"]
+    assert "val/accuracy" not in saved and saved["reward"] == rows[3]["reward"]
 
 
 def test_sigint_in_sync_grpo_and_sft_in_process(tmp_path, monkeypatch, capsys):

@@ -84,7 +84,7 @@ def _sft(args: argparse.Namespace) -> int:
 def _loaded(args: argparse.Namespace, command: str):
     """The command's config from --config and the overrides (with --overwrite's where it has one), its
     output directory checked."""
-    overrides = args.overrides + (_overwrite(args) if hasattr(args, "overwrite") else [])
+    overrides = args.overrides + (_overwrite(args, command) if hasattr(args, "overwrite") else [])
     cfg = load_config(config_class(command), args.config, overrides)
     check_output_dir(cfg.output_dir)
     return cfg
@@ -151,8 +151,14 @@ def _grpo_async(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overwrite(args: argparse.Namespace) -> list[str]:
-    return ["checkpointing.resume=never", "checkpointing.overwrite=true"] if args.overwrite else []
+def _overwrite(args: argparse.Namespace, command: str) -> list[str]:
+    """--overwrite as overrides: a fresh start that may delete the previous run (runs without checkpoints
+    have `overwrite` alone)."""
+    if not args.overwrite:
+        return []
+    if "checkpointing" not in config_class(command).model_fields:
+        return ["overwrite=true"]
+    return ["checkpointing.resume=never", "checkpointing.overwrite=true"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -352,11 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.optimizer.lr=1e-4")
-        if name.startswith("grpo") or name in ("distill", "ppo"):
+        if name != "demo":
             p.add_argument(
                 "--overwrite",
                 action="store_true",
-                help="start over: delete the run in output_dir (checkpoints, metrics, curves, config) first",
+                help="start over: delete the run in output_dir (checkpoints, metrics, curves, config, hf/) "
+                "first",
             )
         p.set_defaults(func=fn)
     p = sub.add_parser(

@@ -211,22 +211,37 @@ class CheckpointManager:
 
     def _check_metric(self, step: int, metrics: dict[str, float]) -> None:
         """Warn (once) when `metric_name` is not among the metrics of the first save's step: a misspelled
-        name scores every checkpoint None, and keep_top_k then keeps the oldest ones."""
+        name scores every checkpoint None, and keep_top_k then keeps the oldest ones. A validation metric
+        (val/...) at a step that did not validate (none of its metrics is one) is not misspelled: the
+        steps that save are not the steps that validate."""
         name = self.cfg.metric_name
         if self._metric_checked or name is None or self.cfg.keep_top_k is None:
             return
         self._metric_checked = True
         if name in metrics:
             return
+        if name.startswith("val/") and not any(k.startswith("val/") for k in metrics):
+            log.warning(
+                "checkpointing.metric_name=%r is a validation metric and step %d saved without validating: "
+                "checkpointing.save_period=%d does not line up with the validation period (grpo.val_period), "
+                "and a checkpoint without the metric ranks last for keep_top_k=%d (pruned first). Make "
+                "save_period a multiple of the validation period",
+                name,
+                step,
+                self.cfg.save_period,
+                self.cfg.keep_top_k,
+            )
+            return
         near = nearest_key(name, sorted(metrics))
         log.warning(
             "checkpointing.metric_name=%r is not among the metrics of step %d%s: a checkpoint without "
             "it ranks last for keep_top_k=%d (pruned first). Name a metric logged at the steps that "
-            "save (validation runs every grpo.val_period steps), e.g. val/accuracy",
+            "save (validation runs every grpo.val_period steps)%s",
             name,
             step,
             f" (did you mean {near!r}?)" if near else "",
             self.cfg.keep_top_k,
+            "" if name == "val/accuracy" else ", e.g. val/accuracy",
         )
 
     def _score(self, path: Path) -> float | None:

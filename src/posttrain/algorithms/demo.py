@@ -82,6 +82,7 @@ class DemoConfig(Config):
         "sft.output_dir": "the demo writes its SFT stage to <output_dir>/sft; set output_dir instead",
         "sft.save_final_model": "the demo always saves the SFT stage's model (the GRPO stage starts from "
         "<output_dir>/sft/hf); remove it",
+        "sft.overwrite": "the demo always starts its SFT stage over (replacing <output_dir>/sft); remove it",
         "grpo.output_dir": "the demo writes its GRPO stage to <output_dir>/grpo; set output_dir instead",
         "grpo.policy.model.name": "the demo's GRPO stage starts from the SFT stage's model "
         "(<output_dir>/sft/hf); set sft.policy.model.name to start both stages from another model",
@@ -128,7 +129,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
         log.warning("demo: grpo.task is ignored; both stages use sft.task (set the task there)")
     if cfg.grpo.env is not None and cfg.grpo.env != cfg.sft.env:
         log.warning("demo: grpo.env is ignored; both stages use sft.env (set the environment there)")
-    sft = cfg.sft.model_copy(update={"output_dir": str(out / "sft"), "save_final_model": True})
+    update = {"output_dir": str(out / "sft"), "save_final_model": True, "overwrite": True}
+    sft = cfg.sft.model_copy(update=update)
     run_sft(sft)
     model = cfg.grpo.policy.model.model_copy(update={"name": str((out / "sft" / "hf").absolute())})
     policy = cfg.grpo.policy.model_copy(update={"model": model})

@@ -20,7 +20,13 @@ import torch
 from pydantic import Field, model_validator
 
 from posttrain.algorithms.losses import DPOConfig, DPOLoss
-from posttrain.algorithms.runs import run_policy, shuffled_batches, train_steps, write_config
+from posttrain.algorithms.runs import (
+    check_fresh_output,
+    run_policy,
+    shuffled_batches,
+    start_output,
+    train_steps,
+)
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
 from posttrain.logging import LoggingConfig, get_logger
@@ -80,6 +86,11 @@ class DPORunConfig(Config):
     )
     save_final_model: bool = Field(
         True, description="save the trained model as an HF directory, <output_dir>/hf"
+    )
+    overwrite: bool = Field(
+        False,
+        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
+        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
@@ -141,7 +152,8 @@ def run_dpo(cfg: DPORunConfig, policy: Policy | None = None) -> dict[str, float]
     """Train; returns the last step's metrics plus the held-out ones: `val_accuracy` (implicit reward
     margin > 0), `val_policy_accuracy` (the policy's own logprob prefers the chosen completion; also
     `val_policy_accuracy_at_start`), `val_loss`. Ctrl-C stops after the current step (`RunInterrupted`;
-    nothing is saved)."""
+    nothing is saved). A previous run in output_dir is refused unless `overwrite`."""
+    check_fresh_output(cfg.output_dir, "dpo", cfg.overwrite)
     with run_policy(cfg.output_dir, cfg.seed, cfg.policy, policy) as (out, policy):
         return _train(cfg, policy, out)
 
@@ -155,7 +167,7 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
         len(train),
         len(heldout),
     )
-    write_config(out, cfg)
+    start_output(out, cfg, cfg.overwrite)
     t0 = time.perf_counter()
     refs, held_refs = with_reference(policy, train, pad_id), with_reference(policy, heldout, pad_id)
     log.info("reference logprobs of %d pairs in %.1fs", len(train) + len(heldout), time.perf_counter() - t0)

@@ -205,6 +205,7 @@ def run_grpo(
     )
     saved = run.step  # the newest checkpoint's step
     failed = False
+    metrics: dict[str, float] = {}  # the latest step's own (`last` also holds earlier validations)
     try:
         with StopOnInterrupt(cfg.algorithm, cfg.checkpointing.enabled) as stop:
             if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
@@ -224,7 +225,7 @@ def run_grpo(
                     ckpt.save(run.policy, run.step, loop_state(run), metrics, run.companions)
                     saved = run.step
             if stop.requested and keeps_going(run):
-                raise stop_here(run, ckpt, saved, last)
+                raise stop_here(run, ckpt, saved, metrics)
     except BaseException as err:
         failed = failure(err)
         raise
@@ -246,7 +247,8 @@ def keeps_going(run: Run) -> bool:
 
 
 def stop_here(run: Run, ckpt: CheckpointManager, saved: int, metrics: dict[str, float]) -> RunInterrupted:
-    """Ctrl-C: a checkpoint at the step the run stopped at (unless it has one), and the message."""
+    """Ctrl-C: a checkpoint at the step the run stopped at (unless it has one) with that step's `metrics`,
+    and the message."""
     path = ckpt.root / f"step_{run.step}"
     if not run.cfg.checkpointing.enabled or run.step == 0:
         path = None

@@ -23,7 +23,13 @@ from pydantic import Field, model_validator
 
 from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
-from posttrain.algorithms.runs import run_policy, shuffled_batches, train_steps, write_config
+from posttrain.algorithms.runs import (
+    check_fresh_output,
+    run_policy,
+    shuffled_batches,
+    start_output,
+    train_steps,
+)
 from posttrain.config import Config
 from posttrain.logging import LoggingConfig, get_logger
 from posttrain.models.scalar_head import warn_if_pad_is_eos
@@ -62,6 +68,11 @@ class RMRunConfig(Config):
         True,
         description="save the reward model as an HF directory, <output_dir>/hf "
         "(AutoModelForSequenceClassification; what grpo's reward_model.path takes)",
+    )
+    overwrite: bool = Field(
+        False,
+        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
+        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
@@ -104,7 +115,8 @@ def held_out(policy: Policy, pairs: list[PreferencePair], pad_id: int) -> dict[s
 def run_rm(cfg: RMRunConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the held-out ones (`val_accuracy`, `val_loss`,
     `val_reward_margin`, and `val_accuracy_at_start`). Ctrl-C stops after the current step
-    (`RunInterrupted`; nothing is saved)."""
+    (`RunInterrupted`; nothing is saved). A previous run in output_dir is refused unless `overwrite`."""
+    check_fresh_output(cfg.output_dir, "rm", cfg.overwrite)
     with run_policy(cfg.output_dir, cfg.seed, cfg.policy, policy) as (out, policy):
         return _train(cfg, policy, out)
 
@@ -115,7 +127,7 @@ def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:
     pad_id = pad_token_id(tokenizer)
     train, heldout = build_pairs(cfg.data, tokenizer)
     log.info("reward model on %d pairs (%d held out)", len(train), len(heldout))
-    write_config(out, cfg)
+    start_output(out, cfg, cfg.overwrite)
     loss = BradleyTerryLoss(cfg.loss)
     gbs = cfg.policy.train_global_batch_size
     batches = shuffled_batches(len(train), gbs // 2, cfg.seed)

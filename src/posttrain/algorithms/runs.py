@@ -2,7 +2,8 @@
 the output directory, the seed, the policy, tokenizer and task (`start_run`), finding and loading the
 checkpoint to continue from with its config check (`resume`), and the run's history: one run per
 output directory (`check_fresh_start` refuses to start a new run over an old one without consent,
-`start_history` clears it with consent), config.yaml written after the resume check (a refused resume
+`start_history` clears it with consent; for the runs without checkpoints, SFT, DPO and reward models,
+`check_fresh_output` and `start_output`), config.yaml written after the resume check (a refused resume
 leaves the run's config as it was) and a metrics log holding each step once (rows after the resumed
 step are dropped). `StopOnInterrupt` turns Ctrl-C into a stop at the next step boundary; `train_steps`
 is the step loop of the preference runs (DPO, reward models).
@@ -29,6 +30,7 @@ from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, StepProgress, get_logger
 from posttrain.policy.config import PolicyConfig
+from posttrain.policy.identity import check_lora_matches, saved_identity
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.tasks.build import TaskConfig, build_task
@@ -127,6 +129,9 @@ def resume(
     extra = read_json(path / "extra_state.json")
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
+    # a full checkpoint in a LoRA run (or the reverse) is refused naming the way across, before its
+    # policy.lora settings are compared
+    check_lora_matches(policy.cfg, str(path), saved_identity(str(path)))
     saved = extra.get("config", {})
 
     def at_default(key: str) -> bool:
@@ -204,7 +209,8 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
     """The policy settings a resumed run shares with its checkpoint: the optimizer's and the schedule's
     (the checkpoint restores their state; list `policy.optimizer.lr` in `may_change`: the worker applies
     a new one) and the others that shape each update: precision, gradient clipping, the logprobs'
-    temperature, the MoE losses and routing, and (`batch_size`) the samples per optimizer step."""
+    temperature, the MoE losses and routing, dropout (the model's, LoRA's), and (`batch_size`) the samples
+    per optimizer step."""
     view = {
         "optimizer": policy.optimizer.model_dump(mode="json"),
         "scheduler": [s.model_dump(mode="json") for s in policy.scheduler],
@@ -212,7 +218,10 @@ def optimizer_view(policy: PolicyConfig, batch_size: bool = True) -> dict[str, A
         "max_grad_norm": policy.max_grad_norm,
         "logprob_temperature": policy.scoring_temperature,
         "moe": policy.moe.model_dump(mode="json"),
+        "model": {"disable_dropout": policy.model.disable_dropout},
     }
+    if policy.lora is not None:
+        view["lora"] = {"dropout": policy.lora.dropout}
     if batch_size:
         view["train_global_batch_size"] = policy.train_global_batch_size
     return view
@@ -238,13 +247,42 @@ def check_fresh_start(output_dir: str | Path, ckpt: CheckpointManager) -> None:
     found = previous_run(out, ckpt)
     if cfg.resume != "never" or cfg.overwrite or not found:
         return
-    shown = [str(p.relative_to(out)) if p.is_relative_to(out) else str(p) for p in found[:4]]
-    names = ", ".join(shown) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     raise ValueError(
-        f"{out} already holds a run ({names}); checkpointing.resume=never would start another one over it. "
-        "To delete it and start over, pass --overwrite (or set checkpointing.overwrite=true); to continue "
-        "it, use checkpointing.resume=auto; or choose another output_dir"
+        f"{out} already holds a run ({_listed(out, found)}); checkpointing.resume=never would start another "
+        "one over it. To delete it and start over, pass --overwrite (or set checkpointing.overwrite=true); "
+        "to continue it, use checkpointing.resume=auto; or choose another output_dir"
     )
+
+
+def _listed(out: Path, found: list[Path]) -> str:
+    shown = [str(p.relative_to(out)) if p.is_relative_to(out) else str(p) for p in found[:4]]
+    return ", ".join(shown) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
+OUTPUT_FILES = (*RUN_FILES, "hf")  # a run without checkpoints: its history and its final model
+
+
+def check_fresh_output(output_dir: str | Path, what: str, overwrite: bool) -> None:
+    """A run without checkpoints (`what`: sft, dpo, rm) into an output directory that holds a run: refused
+    unless `overwrite` consents (the clearing waits for `start_output`, once the new run is built). Call
+    it first."""
+    out = Path(output_dir).absolute()
+    found = [out / name for name in OUTPUT_FILES if (out / name).exists()]
+    if overwrite or not found:
+        return
+    raise ValueError(
+        f"{out} already holds a run ({_listed(out, found)}); a new {what} run would replace it ({what} "
+        "writes no checkpoints to continue from). To delete it and start over, pass --overwrite (or set "
+        "overwrite=true); or choose another output_dir"
+    )
+
+
+def start_output(out: Path, cfg: Config, overwrite: bool) -> None:
+    """After `check_fresh_output`, once the run is built: with `overwrite` the previous run in `out` is
+    deleted; then config.yaml is written."""
+    if overwrite:
+        _delete(out, [out / name for name in OUTPUT_FILES if (out / name).exists()])
+    write_config(out, cfg)
 
 
 def start_history(
@@ -271,7 +309,7 @@ def _delete(out: Path, old: list[Path]) -> None:
         else:
             p.unlink()
     if old:
-        log.warning("checkpointing.overwrite: deleted the previous run in %s (%d entries)", out, len(old))
+        log.warning("overwrite: deleted the previous run in %s (%d entries)", out, len(old))
 
 
 def _warn_later_checkpoints(ckpt: CheckpointManager, resumed_step: int) -> None:

@@ -13,12 +13,13 @@ from pydantic import Field, model_validator
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
+    check_fresh_output,
     failure,
     interrupted,
     open_metrics,
     shuffled_batches,
+    start_output,
     start_run,
-    write_config,
 )
 from posttrain.config import Config
 from posttrain.data.batch import batch_from_sequences
@@ -57,6 +58,11 @@ class SFTConfig(Config):
     )
     save_final_model: bool = Field(
         True, description="save the trained model as an HF directory, <output_dir>/hf"
+    )
+    overwrite: bool = Field(
+        False,
+        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
+        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
@@ -120,7 +126,9 @@ def check_lengths(examples: list[SFTExample], model: ModelConfig, tokenizer) -> 
 
 def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     """Train; returns the last step's metrics plus the final held-out loss. Ctrl-C stops after the current
-    step by raising `RunInterrupted` (SFT writes no checkpoints: nothing is saved)."""
+    step by raising `RunInterrupted` (SFT writes no checkpoints: nothing is saved). A previous run in
+    output_dir is refused unless `overwrite`."""
+    check_fresh_output(cfg.output_dir, "sft", cfg.overwrite)
     parts = start_run(cfg.output_dir, cfg.seed, cfg.policy, cfg.task, policy, cfg.env)
     out, policy, tokenizer, task = parts.out, parts.policy, parts.tokenizer, parts.task
     if isinstance(task, EnvSuite):
@@ -128,7 +136,7 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     else:
         examples = task.sft_examples
     check_lengths(examples, cfg.policy.model, tokenizer)
-    write_config(out, cfg)
+    start_output(out, cfg, cfg.overwrite)
     pad_id = pad_token_id(tokenizer)
     heldout = heldout_examples(task, tokenizer)
     metrics_log = open_metrics(out, cfg.logging, resume_step=None)

@@ -50,7 +50,7 @@ from posttrain.models.lora import (
 )
 from posttrain.models.scalar_head import SCORE_HEAD
 from posttrain.policy.config import ModelConfig
-from posttrain.policy.identity import saved_head
+from posttrain.policy.identity import BASE, base_weights, other_base, saved_head
 from posttrain.policy.model_init import build_tokenizer, load_full_model, with_lora
 from posttrain.policy.model_paths import BUILT_IN, absolute_local_path
 
@@ -223,6 +223,12 @@ def _load_base(root: Path, meta: dict[str, Any], base: str | None):
             f"{_recorded(identity)}{where}. Run `posttrain export` from the training run's directory, or "
             f"pass the base model with --base DIR_OR_HUB_NAME. The error was: {e}"
         ) from None
+    if other_base(identity, now := base_weights(model_cfg)):
+        raise ValueError(
+            f"the base model in model.name={model_cfg.name!r} is not the one the adapters of '{root}' were "
+            f"trained on: its weights were replaced (checkpoint {identity[BASE]}, now {now}). Put the "
+            "original base model back there (or pass it with --base), or export the adapters alone (--adapter)"
+        )
     return with_lora(model, LoraSettings(**identity["lora"]), model_cfg.head), model_cfg
 
 

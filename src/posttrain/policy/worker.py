@@ -48,7 +48,7 @@ from posttrain.parallel.expert_parallel import replicated_experts, sync_expert_g
 from posttrain.parallel.mesh import full_state_dict, full_tensor, iter_full_weights, local_tensor
 from posttrain.policy import offload
 from posttrain.policy.config import PolicyConfig
-from posttrain.policy.identity import check_lora_matches, checkpoint_identity, saved_identity
+from posttrain.policy.identity import base_weights, check_lora_matches, checkpoint_identity, saved_identity
 from posttrain.policy.lifecycle import ANY_PHASE, ON_DEVICE, TRAIN_ONLY, Lifecycle, Phase, PhaseError, verb
 from posttrain.policy.model_init import build_policy_model, build_tokenizer
 from posttrain.policy.model_paths import as_recorded, with_absolute_paths
@@ -97,6 +97,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         self.dims.build_mesh(self.device)
         self.split = self.dims.sequence_split()
         self.model = build_policy_model(cfg, self.tokenizer, self.device, self.dims, self.dtype)
+        self.base_weights = base_weights(cfg.model) if cfg.lora is not None else None  # LoRA's frozen base
         self.optimizer = build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], cfg.optimizer
         )
@@ -504,7 +505,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
             path,
             self._checkpoint_state("save_checkpoint"),
             trainer_version=self.trainer_version,
-            identity=checkpoint_identity(self.cfg),
+            identity=checkpoint_identity(self.cfg, base=self.base_weights),
             extra_state=extra_state,
             tokenizer=self.tokenizer,
             config_yaml=dump_config(self.cfg),
@@ -516,11 +517,11 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         """Restore everything `save_checkpoint` wrote (on any number of ranks); returns its extra_state. The
         learning rate is `optimizer.lr` of this policy's config, at the schedule's restored position."""
         saved = saved_identity(path)
-        check_lora_matches(self.cfg, path, saved)
+        check_lora_matches(self.cfg, path, saved, self.base_weights)
         info = checkpoint.load_checkpoint(
             path,
             self._checkpoint_state("load_checkpoint"),
-            identity=as_recorded(checkpoint_identity(self.cfg, saved), saved),
+            identity=as_recorded(checkpoint_identity(self.cfg, saved, self.base_weights), saved),
             mesh=self.dims.sizes(),
         )
         set_base_lr(self.optimizer, self.scheduler, self.cfg.optimizer.lr)

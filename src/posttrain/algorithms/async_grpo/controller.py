@@ -362,9 +362,12 @@ class AsyncGRPOController:
         admits them before any group that arrives later. The next step is so decided by the
         checkpointed state alone: a run resumed from it trains the very batch that the run that saved it
         trains next. Generation pauses meanwhile (a bubble of at most one generate call per
-        checkpoint). Bounded by admission_timeout_s."""
+        checkpoint). Bounded by admission_timeout_s. After the last step, whose weights no step needs,
+        they go out now: a longer run resumed from the checkpoint generates as an uninterrupted one."""
         if self._in_step or not self._running:
             raise RuntimeError("settle() is for between steps of a running controller (from on_step)")
+        if self.pool.published_version != self.trainer_version:
+            await self._publish(self.trainer_version)
         target = self.cfg.target_prompt_groups_per_step
         start, in_flight = self.clock(), len(self.pool.in_flight)
         deadline = start + self.cfg.admission_timeout_s

@@ -468,8 +468,10 @@ async def train(
     saved = [run.resumed_step]
 
     async def save(step: int, metrics: dict[str, float]) -> None:
-        c = run.controller  # settled before a step that follows: in-flight groups saved, not redrawn
-        state = c.state_dict() if step == num_steps or not c.running else await c.checkpoint_state()
+        # settled while the controller runs (the last step too: a longer run may resume from it), so
+        # in-flight groups are saved, not redrawn
+        c = run.controller
+        state = await c.checkpoint_state() if c.running else c.state_dict()
         extra = {"step": step, "controller": state, "config": _resume_view(cfg)}
         await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
         saved[0] = step
