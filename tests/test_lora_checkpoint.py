@@ -338,3 +338,26 @@ def test_a_base_given_by_a_relative_path_is_recorded_absolute_and_exports_from_a
     resumed.load_checkpoint(str(ckpt))
     got = resumed.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_checkpoint_resumes_after_its_project_directory_moved(tmp_path, monkeypatch):
+    """Checkpoints record local paths absolute; a project moved elsewhere (the recorded path gone, the
+    config's relative path found from the new place) still resumes, while another existing base is
+    refused by path."""
+    base = tmp_path / "a" / "base"
+    save_family_model("llama", build_char_tokenizer(), base)
+    monkeypatch.chdir(tmp_path / "a")
+    policy = Policy(cfg(model={"name": "base"}))
+    train(policy, range(1))
+    policy.save_checkpoint(tmp_path / "a" / "ckpt")
+    want = policy.full_state_dict()
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    monkeypatch.chdir(tmp_path / "b")
+    resumed = Policy(cfg(model={"name": "base"}))
+    resumed.load_checkpoint(str(tmp_path / "b" / "ckpt"))
+    got = resumed.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    shutil.copytree(tmp_path / "b", tmp_path / "a")  # the recorded path exists again: another directory
+    with pytest.raises(ValueError, match="model.name"):
+        resumed.load_checkpoint(str(tmp_path / "b" / "ckpt"))

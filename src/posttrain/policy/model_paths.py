@@ -39,12 +39,24 @@ def with_absolute_paths(cfg: PolicyConfig) -> PolicyConfig:
 
 
 def as_recorded(identity: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-    """`identity` (this run's, absolute paths) with a path the checkpoint recorded relative (`saved`,
-    its identity) put back as recorded where it names the same directory from here: such a checkpoint
-    resumes as it did when the paths were recorded as written."""
+    """`identity` (this run's, absolute paths) with a path the checkpoint recorded (`saved`, its
+    identity) put back as recorded where it stands for the same directory: a relative path that names it
+    from here (a checkpoint from before paths were recorded absolute), or a recorded local path that no
+    longer exists while this run's does (the project moved: checkpoints record absolute paths). What the
+    directory holds is checked apart from its path: the parameters' names and shapes always, a LoRA base's
+    weights by their digest (policy/identity.py)."""
     out = dict(identity)
     for key in PATH_KEYS:
-        old = saved.get(key)
-        if isinstance(old, str) and old != out.get(key) and absolute_local_path(old) == out.get(key):
+        old, new = saved.get(key), out.get(key)
+        if not isinstance(old, str) or not isinstance(new, str) or old == new:
+            continue
+        moved = Path(new).is_absolute() and Path(new).exists() and not Path(old).expanduser().exists()
+        if absolute_local_path(old) == new or (moved and old not in BUILT_IN and looks_local(old)):
             out[key] = old
     return out
+
+
+def looks_local(name: str) -> bool:
+    """A recorded name that was a local path: absolute, `~`, or relative with a `./` or `../` start (a hub
+    name is `owner/model` or `model`, never any of these)."""
+    return name.startswith(("/", "~", "./", "../"))
