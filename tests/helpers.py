@@ -32,6 +32,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def stand_in(name: str) -> types.ModuleType:
+    """An empty module for `name` with a spec (libraries that look a package up, e.g. accelerate's
+    is_wandb_available, then find it)."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    return module
+
+
 @contextlib.contextmanager
 def logging_packages_found() -> Iterator[None]:
     """While the block runs, the packages of the optional metrics sinks (tensorboard, wandb) that are not
@@ -41,8 +49,7 @@ def logging_packages_found() -> Iterator[None]:
         n for n in ("tensorboard", "wandb") if n not in sys.modules and importlib.util.find_spec(n) is None
     ]
     for name in added:
-        sys.modules[name] = types.ModuleType(name)
-        sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = stand_in(name)
     try:
         yield
     finally:

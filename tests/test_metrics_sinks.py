@@ -16,21 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import small_grpo_cfg
+from helpers import small_grpo_cfg, stand_in
 from posttrain.algorithms import grpo as grpo_module
 from posttrain.algorithms import sft as sft_module
 from posttrain.algorithms.grpo import run_grpo
 from posttrain.algorithms.runs import open_metrics
 from posttrain.config import ConfigError, load_config
 from posttrain.logging import LoggingConfig, MetricsLogger, read_metrics
-
-
-def stand_in(name: str) -> types.ModuleType:
-    """An empty module for `name` with a spec (libraries that look a package up, e.g. accelerate's
-    is_wandb_available, then find it)."""
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    return module
 
 
 class FakeWandb(types.ModuleType):
