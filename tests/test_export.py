@@ -2,7 +2,9 @@
 test_lora_checkpoint.py) do not cover: reward-model and critic checkpoints (`model.head=score`; full,
 LoRA merged, LoRA as a peft SEQ_CLS adapter with its trained score head) load in transformers and peft
 and give the trained model's scores; a base model's generation config survives checkpoint and export;
-checkpoints from before the head was recorded still resume and export."""
+checkpoints from before the head was recorded still resume and export; every export (full, LoRA merged,
+LoRA adapter) of a training run's checkpoint holds the run's prompt format record, which the run kept in
+the checkpoint's extra state (a checkpoint without it exports none)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, GenerationConfig
 
 from conftest import random_batch
-from helpers import policy_cfg
+from helpers import policy_cfg, small_async_grpo_cfg, small_grpo_cfg
 from model_zoo import save_family_model
 from posttrain import checkpoint
+from posttrain.algorithms.async_grpo.run import run_async_grpo
+from posttrain.algorithms.grpo import run_grpo
 from posttrain.algorithms.losses import BradleyTerryLoss, NLLLoss
 from posttrain.cli import main
+from posttrain.models.prompt_record import EXTRA_STATE_KEY, PROMPT_FORMAT_FILE
 from posttrain.models.tokenizer import build_char_tokenizer
 from posttrain.policy import export
 from posttrain.policy.model_init import build_tokenizer, load_full_model
@@ -141,3 +146,41 @@ def test_the_base_models_generation_config_survives_checkpoint_and_export(tmp_pa
         got = GenerationConfig.from_pretrained(where)
         assert got.to_diff_dict() == want, where
         assert (got.eos_token_id, got.temperature, got.top_p, got.do_sample) == ([2, 7], 0.6, 0.9, True)
+
+
+def recorded(directory: Path) -> dict | None:
+    path = directory / PROMPT_FORMAT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_exports_of_a_runs_checkpoint_hold_its_prompt_format(tmp_path, loop):
+    """The arithmetic task's format (no chat template, BOS first; here with a template) with a tokenizer
+    that has a chat template: every kind of export records it as the run used it."""
+    fmt = ["policy.model.tokenizer=tiny-chat", "task.prompt_format.template=Q: {prompt} A:"]
+    if loop == "sync":
+        cfg = small_grpo_cfg(
+            tmp_path / "run", *fmt, "grpo.max_num_steps=1", "grpo.val_period=0", "policy.lora.rank=4"
+        )
+        run_grpo(cfg)
+    else:
+        steps = ["async_grpo.num_steps=1", "grpo.val_period=0", "checkpointing.save_period=1"]
+        cfg = small_async_grpo_cfg(tmp_path / "run", *fmt, *steps)
+        run_async_grpo(cfg)
+    want = cfg.task.prompt_format.model_dump(mode="json")
+    assert (want["chat_template"], want["prepend_bos"], want["template"]) == ("never", True, "Q: {prompt} A:")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"
+    assert json.loads((ckpt / "extra_state.json").read_text())[EXTRA_STATE_KEY] == want
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
+    assert recorded(tmp_path / "out") == want
+    if loop == "sync":  # a LoRA checkpoint: merged above, its adapters here
+        assert main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter"]) == 0
+        assert recorded(tmp_path / "adapter") == want
+
+
+def test_a_checkpoint_without_a_prompt_format_record_exports_none(tmp_path):
+    """A checkpoint saved outside a training loop, or before the record existed, has no record to write."""
+    policy = Policy(policy_cfg(optimizer=SGD))
+    policy.save_checkpoint(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert recorded(tmp_path / "out") is None

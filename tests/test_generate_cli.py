@@ -1,5 +1,7 @@
-"""`posttrain generate`: prompts are tokenized as training tokenizes them (the tokenizer's chat template
-when it has one, BOS first; --chat-template never and --no-bos turn them off), the model's generation
+"""`posttrain generate`: prompts are tokenized as the training run tokenized them (the prompt format a
+run's hf/ or an export records: an SFT or GRPO run on the arithmetic task with a chat tokenizer gives
+generate the ids it trained on), else as PromptFormatConfig's defaults do (the tokenizer's chat template
+when it has one, BOS first); --chat-template and --bos/--no-bos override either. The model's generation
 config gives the sampling flags left unset, and a directory that is not a causal LM (a reward model's
 export, a peft adapter directory, a posttrain checkpoint) is refused with the way to one."""
 
@@ -11,11 +13,18 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForSequenceClassification, GenerationConfig
 
+from helpers import small_grpo_cfg
 from model_zoo import family_config, save_family_model
+from posttrain.algorithms.grpo import run_grpo
+from posttrain.algorithms.sft import SFTConfig, run_sft
 from posttrain.cli import main
+from posttrain.config import apply_overrides, build_config
 from posttrain.generation import engine as engine_module
+from posttrain.models.prompt_record import PROMPT_FORMAT_FILE, write_prompt_format
 from posttrain.models.tokenizer import build_char_tokenizer, build_chat_tokenizer
-from posttrain.tasks.datasets import PromptFormatConfig, format_prompt, tokenize_prompts
+from posttrain.tasks.arithmetic import ArithmeticTaskConfig, split_problems
+from posttrain.tasks.build import build_task
+from posttrain.tasks.datasets import PromptFormatConfig, format_prompt, prompt_token_ids, tokenize_prompts
 
 SHORT = ["--max-new-tokens", "2"]
 
@@ -168,3 +177,135 @@ def test_a_generation_config_outside_the_flags_range_is_read_as_transformers_rea
     assert (p.greedy, p.top_p, p.top_k) == (greedy, 1.0, 0)
     assert main(["generate", str(d), "1+2=", "--greedy", *SHORT]) == 0
     assert calls[-1][1].greedy and calls[-1][1].temperature == 1.0
+
+
+CHAT = "policy.model.tokenizer=tiny-chat"  # the char tokenizer with a chat template
+
+
+def trained_prompts(task_cfg, n: int = 3) -> tuple[list[str], list[list[int]]]:
+    """The raw texts of `n` of a task's training prompts and the token ids its training run gives them."""
+    sources = split_problems(task_cfg)[0]
+    items = build_task(task_cfg, build_chat_tokenizer()).train.items[:n]
+    texts = {src.prompt_id: src.text for src in sources}
+    return [texts[it.prompt_id] for it in items], [it.prompt_token_ids for it in items]
+
+
+def test_a_grpo_runs_export_generates_from_the_prompt_ids_the_run_trained_on(tmp_path, calls):
+    """The arithmetic task never uses a chat template: its export records that, so a tokenizer that has
+    one does not wrap the prompts; without the record the defaults apply, and the flags override it."""
+    cfg = small_grpo_cfg(tmp_path / "run", CHAT, "grpo.max_num_steps=1", "grpo.val_period=0")
+    run_grpo(cfg)
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "run" / "checkpoints" / "step_1"), str(out)]) == 0
+    recorded = json.loads((out / PROMPT_FORMAT_FILE).read_text())
+    assert recorded == cfg.task.prompt_format.model_dump(mode="json")
+    assert recorded["chat_template"] == "never"
+    texts, trained = trained_prompts(cfg.task)
+    assert main(["generate", str(out), *texts, "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == trained
+
+    tok = build_chat_tokenizer()
+    assert main(["generate", str(out), texts[0], "--greedy", "--chat-template", "auto", *SHORT]) == 0
+    assert calls[-1][0] == prompt_token_ids(texts[:1], tok, PromptFormatConfig())
+    (out / PROMPT_FORMAT_FILE).unlink()  # no record: the tokenizer's chat template, BOS first
+    assert main(["generate", str(out), texts[0], "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == prompt_token_ids(texts[:1], tok, PromptFormatConfig())
+    assert tok.decode(calls[-1][0][0]).startswith("<s><|im_start|>user")
+
+
+def test_an_sft_runs_hf_directory_generates_with_its_template_and_system_prompt(tmp_path, calls):
+    task = {
+        "prompt_format": {
+            "chat_template": "always",
+            "system_prompt": "Reply with the number.",
+            "template": "Compute {prompt}",
+            "max_prompt_tokens": 128,
+        }
+    }
+    sft = {
+        "policy": {"model": {"tokenizer": "tiny-chat", "tiny": {"hidden_size": 32, "intermediate_size": 64}}},
+        "task": task,
+        "max_num_steps": 1,
+        "val_period": 0,
+        "output_dir": str(tmp_path / "run"),
+        "logging": {"progress_bar": False},
+    }
+    cfg = build_config(SFTConfig, apply_overrides(sft, []))
+    run_sft(cfg)
+    hf = tmp_path / "run" / "hf"
+    assert json.loads((hf / PROMPT_FORMAT_FILE).read_text()) == cfg.task.prompt_format.model_dump(mode="json")
+    texts, trained = trained_prompts(cfg.task)
+    assert main(["generate", str(hf), *texts, "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == trained
+    shown = build_chat_tokenizer().decode(calls[-1][0][0])
+    assert "Reply with the number." in shown and f"Compute {texts[0]}" in shown
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_a_preference_runs_hf_directory_records_its_pairs_prompt_format(tmp_path, calls, command):
+    """The built-in pairs are the arithmetic task's prompts, in its format (no chat template)."""
+    policy = {
+        "model": {"tokenizer": "tiny-chat", "tiny": {"hidden_size": 32, "intermediate_size": 64}},
+        "train_global_batch_size": 8,
+        "microbatch": {"train_micro_batch_size": 8},
+        "init_reference_model": False,
+    }
+    if command == "rm":
+        policy["model"]["head"] = "score"
+    run = {"policy": policy, "max_num_steps": 1, "val_period": 0, "output_dir": str(tmp_path / "run")}
+    assert (
+        main([command, *(f"{k}={json.dumps(v)}" for k, v in run.items()), "logging.progress_bar=false"]) == 0
+    )
+    hf = tmp_path / "run" / "hf"
+    want = ArithmeticTaskConfig().prompt_format.model_dump(mode="json")
+    assert want["chat_template"] == "never"
+    assert json.loads((hf / PROMPT_FORMAT_FILE).read_text()) == want
+    if command == "dpo":
+        assert main(["generate", str(hf), "7+5=", "--greedy", *SHORT]) == 0
+        assert calls[-1][0] == prompt_token_ids(["7+5="], build_chat_tokenizer(), PromptFormatConfig(**want))
+
+
+def test_flags_override_the_recorded_prompt_format(tmp_path, calls, capsys):
+    tok = build_chat_tokenizer()
+    d = model_dir(tmp_path, tok)
+    recorded = {"chat_template": "never", "prepend_bos": False, "template": "Q: {prompt}\nA:"}
+    write_prompt_format(d, recorded)
+    plain = tok("Q: 7+5=\nA:", add_special_tokens=False)["input_ids"]
+    assert main(["generate", str(d), "7+5=", "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == [plain]
+    assert main(["generate", str(d), "7+5=", "--greedy", "--bos", *SHORT]) == 0
+    assert calls[-1][0] == [[tok.bos_token_id, *plain]]
+    assert main(["generate", str(d), "7+5=", "--greedy", "--chat-template", "auto", *SHORT]) == 0
+    chat = PromptFormatConfig(template="Q: {prompt}\nA:", prepend_bos=False)
+    assert calls[-1][0] == prompt_token_ids(["7+5="], tok, chat)
+    assert tok.decode(calls[-1][0][0]).startswith("<|im_start|>user\nQ: 7+5=")
+    write_prompt_format(d, {"chat_template": "never", "prepend_bos": False})  # "" has no tokens then
+    assert main(["generate", str(d), "", *SHORT]) == 2
+    assert "prompt 1 ('') has no tokens: pass --bos" in message(capsys)
+    assert main(["generate", str(d), "", "--bos", "--greedy", *SHORT]) == 0
+    assert calls[-1][0] == [[tok.bos_token_id]]
+
+    write_prompt_format(d, {"chat_template": "always"})  # a tokenizer without one is refused, with the fix
+    plain_tok = build_char_tokenizer()
+    plain_tok.save_pretrained(tmp_path / "plain")
+    assert main(["generate", str(d), "1+2=", "--tokenizer", str(tmp_path / "plain"), *SHORT]) == 2
+    said = message(capsys)
+    assert f"recorded in '{d / PROMPT_FORMAT_FILE}'" in said and "--chat-template auto or never" in said
+    assert (
+        main(
+            [
+                "generate",
+                str(d),
+                "1+2=",
+                "--tokenizer",
+                str(tmp_path / "plain"),
+                "--chat-template",
+                "never",
+                *SHORT,
+            ]
+        )
+        == 0
+    )
+    write_prompt_format(d, {"chat_template": "sometimes"})  # a damaged record names the file
+    assert main(["generate", str(d), "1+2=", *SHORT]) == 2
+    assert f"the prompt format in '{d / PROMPT_FORMAT_FILE}'" in message(capsys)

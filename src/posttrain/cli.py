@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from posttrain.config import Config, ConfigError, format_validation_error, load_config
+from posttrain.models.prompt_record import PROMPT_FORMAT_FILE
 
 console = Console(soft_wrap=True)  # a path at the end of a line is never broken
 errors = Console(stderr=True)
@@ -221,34 +222,18 @@ def _sampling(args: argparse.Namespace, model):
     return _flag_checked(SamplingParams, {"max_new_tokens": args.max_new_tokens, "seed": args.seed}, **fields)
 
 
-def _prompt_ids(args: argparse.Namespace, tok) -> list[list[int]]:
-    """The prompts' token ids as training builds them (tasks/datasets.py: the tokenizer's chat template
-    when it has one, BOS first), unless --chat-template never or --no-bos says otherwise."""
-    from posttrain.tasks.datasets import PromptFormatConfig, prompt_token_ids
-
-    if args.chat_template == "always" and not getattr(tok, "chat_template", None):
-        raise ConfigError(
-            f"--chat-template always, but the tokenizer of '{args.tokenizer or args.model}' has no chat "
-            "template; pass --chat-template auto or never"
-        )
-    fmt = PromptFormatConfig(chat_template=args.chat_template, prepend_bos=not args.no_bos)
-    ids = prompt_token_ids(args.prompts, tok, fmt)
-    for i, (text, row) in enumerate(zip(args.prompts, ids)):
-        if not row:
-            bos = "drop --no-bos (the BOS token alone is a prompt), or " if args.no_bos else ""
-            raise ConfigError(f"prompt {i + 1} ({text!r}) has no tokens: {bos}give it some text")
-    return ids
-
-
 def _generate(args: argparse.Namespace) -> int:
     from posttrain.generation.engine import GenerationEngine
     from posttrain.generation.params import SamplingParams
     from posttrain.models.hf import load_model, load_tokenizer
+    from posttrain.tasks.generate_prompts import generate_prompt_ids
 
     flags = {k: getattr(args, k) for k in ("max_new_tokens", "seed", *SAMPLING_FLAGS)}
     _flag_checked(SamplingParams, {k: v for k, v in flags.items() if v is not None}, greedy=args.greedy)
     tok = load_tokenizer(args.tokenizer or args.model, elsewhere="generate --tokenizer DIR_OR_HUB_NAME")
-    prompts = _prompt_ids(args, tok)
+    prompts = generate_prompt_ids(
+        args.prompts, tok, args.model, args.tokenizer or args.model, args.chat_template, args.bos
+    )
     model = load_model(args.model)
     params = _sampling(args, model)
     engine = GenerationEngine(model, tok)
@@ -409,15 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chat-template",
         choices=["auto", "always", "never"],
-        default="auto",
-        help="auto: wrap each prompt in the tokenizer's chat template (a user message) when it has one, as "
-        "training does (task.prompt_format.chat_template); always: require one; never: the prompt text alone",
+        default=None,
+        help="auto: wrap each prompt in the tokenizer's chat template (a user message) when it has one; "
+        "always: require one; never: the prompt text alone. Default: the training run's "
+        f"task.prompt_format, which posttrain records in the model directory ({PROMPT_FORMAT_FILE}, with "
+        "its template and system prompt, which apply too); auto for a directory without it",
     )
     p.add_argument(
-        "--no-bos",
-        action="store_true",
-        help="do not start each prompt with the tokenizer's BOS token (training does: "
-        "task.prompt_format.prepend_bos)",
+        "--bos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start each prompt with the tokenizer's BOS token, or not (--no-bos). Default: as the training "
+        f"run did (task.prompt_format.prepend_bos, recorded in {PROMPT_FORMAT_FILE}); BOS for a directory "
+        "without it",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub name; default: the model's")
     p.set_defaults(func=_generate)

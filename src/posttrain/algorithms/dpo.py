@@ -34,7 +34,7 @@ from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
-from posttrain.tasks.preferences import PreferenceDataConfig, PreferencePair, build_pairs
+from posttrain.tasks.preferences import PreferenceDataConfig, PreferencePair, build_pairs, pairs_prompt_format
 
 log = get_logger(__name__)
 
@@ -181,4 +181,7 @@ def _train(cfg: DPORunConfig, policy: Policy, out) -> dict[str, float]:
 
     validate = (lambda step: evaluate(policy, loss, heldout, held_refs, pad_id)) if heldout else None
     returned = ("accuracy", "loss", "policy_accuracy")
-    return train_steps("dpo", policy, loss, next_batch, out, cfg, validate, returned, "policy_accuracy")
+    recorded = pairs_prompt_format(cfg.data).model_dump(mode="json")
+    return train_steps(
+        "dpo", policy, loss, next_batch, out, cfg, validate, returned, "policy_accuracy", recorded
+    )

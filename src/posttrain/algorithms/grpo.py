@@ -31,6 +31,7 @@ from posttrain.algorithms.runs import (
     failure,
     interrupted,
     optimizer_view,
+    prompt_format_state,
     resume,
     resume_dump,
     start_history,
@@ -552,11 +553,13 @@ def _resume_view(cfg: GRPOConfig) -> dict[str, Any]:
 
 
 def loop_state(run: Run) -> dict[str, Any]:
+    """The loop's state for a checkpoint, with the run's prompt format record (read by export)."""
     return {
         "step": run.step,
         "train_data": run.task.train.state_dict(),
         "repeats": run.repeats.state_dict(),
         "config": _resume_view(run.cfg),
+        **prompt_format_state(run.cfg),
     }
 
 

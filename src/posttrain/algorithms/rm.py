@@ -37,7 +37,7 @@ from posttrain.models.tokenizer import pad_token_id
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.model_init import build_tokenizer
 from posttrain.policy.policy import Policy
-from posttrain.tasks.preferences import PreferenceDataConfig, PreferencePair, build_pairs
+from posttrain.tasks.preferences import PreferenceDataConfig, PreferencePair, build_pairs, pairs_prompt_format
 
 log = get_logger(__name__)
 
@@ -142,6 +142,16 @@ def _train(cfg: RMRunConfig, policy: Policy, out: Path) -> dict[str, float]:
         return pair_rows([train[i] for i in next(batches)], pad_id, gbs)
 
     returned = ("accuracy", "reward_margin", "loss")
+    recorded = pairs_prompt_format(cfg.data).model_dump(mode="json")
     return train_steps(
-        "rm", policy, loss, next_batch, out, cfg, validate if heldout else None, returned, "accuracy"
+        "rm",
+        policy,
+        loss,
+        next_batch,
+        out,
+        cfg,
+        validate if heldout else None,
+        returned,
+        "accuracy",
+        recorded,
     )

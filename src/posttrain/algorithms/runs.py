@@ -29,6 +29,7 @@ from posttrain.checkpoint_verify import read_json
 from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
 from posttrain.logging import LoggingConfig, MetricsLogger, StepProgress, get_logger
+from posttrain.models.prompt_record import EXTRA_STATE_KEY, write_prompt_format
 from posttrain.policy.config import PolicyConfig
 from posttrain.policy.identity import check_lora_matches, saved_identity
 from posttrain.policy.model_init import build_tokenizer
@@ -67,6 +68,25 @@ def start_run(
     task = build_env(env_cfg) if env_cfg is not None else build_task(task_cfg, tokenizer)
     task.train.order_by_run(seed)
     return RunParts(out, policy, tokenizer, task, own_policy)
+
+
+def prompt_format_record(task_cfg: TaskConfig, env_cfg: EnvConfig | None = None) -> dict[str, Any] | None:
+    """The prompt format a run records with the models it writes (models/prompt_record.py): its task's
+    `prompt_format` as JSON; None for a run on an environment, which renders its own episodes."""
+    return None if env_cfg is not None else task_cfg.prompt_format.model_dump(mode="json")
+
+
+def prompt_format_state(cfg: Any) -> dict[str, Any]:
+    """The entry of a checkpoint's extra state that records the prompt format of the run `cfg` (a config
+    with `task` and `env`); `posttrain export` writes it into the directory it exports."""
+    return {EXTRA_STATE_KEY: prompt_format_record(cfg.task, cfg.env)}
+
+
+def save_hf_dir(policy: Policy, out_dir: Path, prompt_format: dict[str, Any] | None) -> None:
+    """The policy's model as the Hugging Face directory `out_dir`, with the run's prompt format record
+    (`prompt_format`; None: none)."""
+    policy.save_hf(str(out_dir))
+    write_prompt_format(out_dir, prompt_format)
 
 
 def _open(output_dir: str, seed: int, policy_cfg: PolicyConfig, policy: Policy | None):
@@ -421,6 +441,7 @@ def train_steps(
     validate: Callable[[int], dict[str, float]] | None = None,
     returned: tuple[str, ...] = (),
     at_start: str | None = None,
+    prompt_format: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """The step loop of the preference runs (dpo.py, rm.py). `cfg.max_num_steps` optimizer steps, each on
     `next_batch()` (timed with it), its metrics logged under train/. With `validate` (None: nothing held
@@ -428,7 +449,8 @@ def train_steps(
     metrics, logged under val/ (the progress bar shows their `accuracy`); the `returned` ones come back as
     `val_<name>`, and `at_start`'s step-0 value as `val_<at_start>_at_start`. Ctrl-C stops after the
     current step (`RunInterrupted`; nothing is saved); at the end the model is saved as `<out>/hf` when
-    `cfg.save_final_model`. Returns the last step's metrics and those held-out ones."""
+    `cfg.save_final_model`, with the `prompt_format` record (save_hf_dir). Returns the last step's metrics
+    and those held-out ones."""
     metrics_log = open_metrics(out, cfg.logging, resume_step=None)
     progress = StepProgress(cfg.max_num_steps, what, ("train/loss", "val/accuracy"), cfg.logging.progress_bar)
     last: dict[str, float] = {}
@@ -462,7 +484,7 @@ def train_steps(
             if step < cfg.max_num_steps:
                 raise interrupted(what, step, cfg.max_num_steps, None, None)
             if cfg.save_final_model:
-                policy.save_hf(str(out / "hf"))
+                save_hf_dir(policy, out / "hf", prompt_format)
     except BaseException as err:
         failed = failure(err)
         raise

@@ -17,6 +17,8 @@ from posttrain.algorithms.runs import (
     failure,
     interrupted,
     open_metrics,
+    prompt_format_record,
+    save_hf_dir,
     shuffled_batches,
     start_output,
     start_run,
@@ -166,7 +168,7 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
                     metrics_log.log({"loss": val}, step, prefix="val")
                 last["val_loss"] = val
             if cfg.save_final_model:
-                policy.save_hf(str(out / "hf"))
+                save_hf_dir(policy, out / "hf", prompt_format_record(cfg.task, cfg.env))
     except BaseException as err:
         failed = failure(err)
         raise

@@ -14,7 +14,8 @@ run's working directory before it), checks it against the checkpoint's fingerpri
 into it and merges them as `Policy.full_state_dict` does (base + scaling * B @ A in fp32). The adapter export needs no base model: the checkpoint's adapter
 tensors go out under peft's names next to an `adapter_config.json` (`all-linear` written as the layers
 it adapted; for a scalar head, task SEQ_CLS with the score head in `modules_to_save`), so
-`peft.PeftModel.from_pretrained(base, out_dir)` loads them.
+`peft.PeftModel.from_pretrained(base, out_dir)` loads them. Every export also holds the prompt format
+record of the run that saved the checkpoint (models/prompt_record.py), when its extra state has one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from transformers import (
 )
 
 from posttrain import checkpoint
+from posttrain.checkpoint_verify import read_json
 from posttrain.dtypes import DTYPES
 from posttrain.logging import get_logger
 from posttrain.models.hf import looks_like_path
@@ -48,6 +50,7 @@ from posttrain.models.lora import (
     target_names,
     unload_merged,
 )
+from posttrain.models.prompt_record import EXTRA_STATE_KEY, write_prompt_format
 from posttrain.models.scalar_head import SCORE_HEAD
 from posttrain.policy.config import ModelConfig
 from posttrain.policy.identity import BASE, base_weights, other_base, saved_head
@@ -96,6 +99,7 @@ def export_hf(
         else:
             _write_merged(root, meta, tmp, cast, base)
         copy_tokenizer_files(root, tmp)
+        write_prompt_format(tmp, recorded_prompt_format(root))
     out = Path(out_dir).absolute()
     log.info("exported %s to %s%s", root, out, " (peft adapter)" if adapter else "")
     return out
@@ -128,6 +132,14 @@ def copy_tokenizer_files(checkpoint_dir: str | Path, out_dir: Path) -> None:
     for f in (Path(checkpoint_dir) / checkpoint.HF_FILES_DIR).iterdir():
         if f.is_file() and f.name not in ("config.json", "generation_config.json"):
             shutil.copy2(f, out_dir / f.name)
+
+
+def recorded_prompt_format(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """The prompt format record a training loop kept in the checkpoint's extra state (None: a checkpoint
+    saved before the record existed, by a run on an environment, or by a companion)."""
+    path = Path(checkpoint_dir) / "extra_state.json"
+    extra = read_json(path) if path.is_file() else None
+    return extra.get(EXTRA_STATE_KEY) if isinstance(extra, dict) else None
 
 
 def _auto_class(meta: dict[str, Any]):

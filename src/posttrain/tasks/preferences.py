@@ -63,6 +63,12 @@ class PreferenceDataConfig(Config):
     seed: int = Field(0, description="seed of the held-out split and of the built-in wrong answers")
 
 
+def pairs_prompt_format(cfg: PreferenceDataConfig) -> PromptFormatConfig:
+    """The prompt format the pairs' prompts are given: the built-in arithmetic task's without `path`,
+    else `prompt_format`."""
+    return cfg.arithmetic.prompt_format if cfg.path is None else cfg.prompt_format
+
+
 def _text(row: Any, index: int, cfg: PreferenceDataConfig, field: str, source: str) -> str:
     key = getattr(cfg, field)
     if not isinstance(row, dict) or key not in row:

@@ -56,6 +56,7 @@ from posttrain.algorithms.runs import (
     failure,
     interrupted,
     optimizer_view,
+    prompt_format_state,
     resume,
     resume_dump,
     start_history,
@@ -472,7 +473,7 @@ async def train(
         # in-flight groups are saved, not redrawn
         c = run.controller
         state = await c.checkpoint_state() if c.running else c.state_dict()
-        extra = {"step": step, "controller": state, "config": _resume_view(cfg)}
+        extra = {"step": step, "controller": state, "config": _resume_view(cfg), **prompt_format_state(cfg)}
         await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
         saved[0] = step
 
