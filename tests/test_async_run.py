@@ -556,6 +556,20 @@ def test_a_run_continued_from_its_last_step_trains_as_an_uninterrupted_one(tmp_p
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_nothing_is_generated_after_the_last_steps_checkpoint(tmp_path, monkeypatch):
+    """The last step's checkpoint settles (its groups are generated and sealed), then the pool stops: no
+    group starts that no step trains and no checkpoint holds."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "run"
+    cfg = small_cfg(out, "async_grpo.num_steps=2", "grpo.val_period=0", "checkpointing.save_period=2")
+    summary = run_async_grpo(cfg)
+    state = json.loads((out / "checkpoints" / "step_2" / "extra_state.json").read_text())["controller"]
+    assert summary["summary/groups_buffered"] == len(state["buffer"]) > 0
+    assert summary["summary/groups_pending"] == summary["summary/groups_in_flight"] == 0
+    trained_or_kept = summary["summary/groups_trained"] + summary["summary/groups_buffered"]
+    assert summary["summary/total_finished"] == trained_or_kept
+
+
 def test_a_refused_resume_releases_the_policy_and_leaves_a_callers_policy_unloaded(tmp_path, monkeypatch):
     out = tmp_path / "run"
     run_async_grpo(small_cfg(out, "async_grpo.num_steps=1", "grpo.val_at_start=false"))

@@ -353,6 +353,10 @@ def test_a_checkpoint_resumes_after_its_project_directory_moved(tmp_path, monkey
     want = policy.full_state_dict()
     shutil.move(tmp_path / "a", tmp_path / "b")
     monkeypatch.chdir(tmp_path / "b")
+    shutil.move("base", "other")  # a directory of another name is not taken for the recorded one
+    with pytest.raises(ValueError, match="model.name"):
+        Policy(cfg(model={"name": "other"})).load_checkpoint(str(tmp_path / "b" / "ckpt"))
+    shutil.move("other", "base")
     resumed = Policy(cfg(model={"name": "base"}))
     resumed.load_checkpoint(str(tmp_path / "b" / "ckpt"))
     got = resumed.full_state_dict()
@@ -361,3 +365,27 @@ def test_a_checkpoint_resumes_after_its_project_directory_moved(tmp_path, monkey
     shutil.copytree(tmp_path / "b", tmp_path / "a")  # the recorded path exists again: another directory
     with pytest.raises(ValueError, match="model.name"):
         resumed.load_checkpoint(str(tmp_path / "b" / "ckpt"))
+
+
+def test_the_base_digest_reads_sampled_chunks_of_each_weight_file(tmp_path, monkeypatch):
+    """Every rank takes the digest when it builds a LoRA model: it reads SAMPLE_CHUNKS chunks spread
+    over each file (all of a small file), so a same-shape replacement, which differs everywhere, is seen,
+    and a multi-GB base is not read whole."""
+    from posttrain.policy import identity
+
+    monkeypatch.setattr(identity, "SAMPLE_CHUNKS", 4)
+    monkeypatch.setattr(identity, "CHUNK_BYTES", 4)
+    f = tmp_path / "model.safetensors"
+    data = bytearray(range(200)) * 5  # 1000 bytes: chunks at 0, 332, 664 and 996
+    f.write_bytes(data)
+    before = base_weights(ModelConfig(name=str(tmp_path)))
+    assert before.startswith("sampled-sha256:")
+    for offset, seen in ((333, True), (999, True), (500, False)):
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        f.write_bytes(changed)
+        assert (base_weights(ModelConfig(name=str(tmp_path))) != before) is seen, offset
+    f.write_bytes(data[:16])  # within the sampled span: every byte counts
+    small = base_weights(ModelConfig(name=str(tmp_path)))
+    f.write_bytes(data[:15] + b"\x00")
+    assert base_weights(ModelConfig(name=str(tmp_path))) != small

@@ -180,6 +180,8 @@ _RECORDED_SINCE = (
     "policy.logprob_temperature",
     "policy.moe",
     "policy.train_global_batch_size",
+    "policy.model.disable_dropout",
+    "policy.lora.dropout",
 )
 
 

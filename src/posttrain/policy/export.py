@@ -235,7 +235,9 @@ def _load_base(root: Path, meta: dict[str, Any], base: str | None):
             f"{_recorded(identity)}{where}. Run `posttrain export` from the training run's directory, or "
             f"pass the base model with --base DIR_OR_HUB_NAME. The error was: {e}"
         ) from None
-    if other_base(identity, now := base_weights(model_cfg)):
+    if BASE in identity and other_base(
+        identity, now := base_weights(model_cfg)
+    ):  # no record: nothing to hash
         raise ValueError(
             f"the base model in model.name={model_cfg.name!r} is not the one the adapters of '{root}' were "
             f"trained on: its weights were replaced (checkpoint {identity[BASE]}, now {now}). Put the "

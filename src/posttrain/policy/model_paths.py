@@ -12,7 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from posttrain.logging import get_logger
 from posttrain.policy.config import ModelConfig, PolicyConfig
+
+log = get_logger(__name__)
 
 BUILT_IN = ("tiny", "tiny-chat")  # names that build a model or tokenizer, never paths
 PATH_KEYS = {"model.name": "name", "model.tokenizer": "tokenizer"}  # identity key -> ModelConfig field
@@ -40,20 +43,31 @@ def with_absolute_paths(cfg: PolicyConfig) -> PolicyConfig:
 
 def as_recorded(identity: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
     """`identity` (this run's, absolute paths) with a path the checkpoint recorded (`saved`, its
-    identity) put back as recorded where it stands for the same directory: a relative path that names it
-    from here (a checkpoint from before paths were recorded absolute), or a recorded local path that no
-    longer exists while this run's does (the project moved: checkpoints record absolute paths). What the
-    directory holds is checked apart from its path: the parameters' names and shapes always, a LoRA base's
-    weights by their digest (policy/identity.py)."""
+        identity) put back as recorded where it stands for the same directory: a relative path that names it
+        from here (a checkpoint from before paths were recorded absolute), or a recorded local path that no
+        longer exists while this run's, of the same name, does (the project moved: checkpoints record absolute
+    paths; logged). What the
+        directory holds is checked apart from its path: the parameters' names and shapes always, a LoRA base's
+        weights by their digest (policy/identity.py)."""
     out = dict(identity)
     for key in PATH_KEYS:
         old, new = saved.get(key), out.get(key)
         if not isinstance(old, str) or not isinstance(new, str) or old == new:
             continue
-        moved = Path(new).is_absolute() and Path(new).exists() and not Path(old).expanduser().exists()
-        if absolute_local_path(old) == new or (moved and old not in BUILT_IN and looks_local(old)):
+        if absolute_local_path(old) == new:
+            out[key] = old
+        elif _moved(old, new):
+            log.warning("checkpoint recorded %s=%r, which no longer exists; taking %r for it", key, old, new)
             out[key] = old
     return out
+
+
+def _moved(old: str, new: str) -> bool:
+    """Whether `new` (an existing absolute path) stands for the recorded local path `old`, which is gone:
+    the same directory name, as after the project holding it moved."""
+    if old in BUILT_IN or not looks_local(old) or Path(old).expanduser().exists():
+        return False
+    return Path(new).is_absolute() and Path(new).exists() and Path(old).name == Path(new).name
 
 
 def looks_local(name: str) -> bool:

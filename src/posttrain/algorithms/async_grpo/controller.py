@@ -345,12 +345,16 @@ class AsyncGRPOController:
 
     # ------------------------------------------------------------------ checkpoint
 
-    async def checkpoint_state(self) -> dict[str, Any]:
+    async def checkpoint_state(self, last: bool = False) -> dict[str, Any]:
         """`settle()`, then the `state_dict()` to checkpoint; generation goes on as it is returned
-        (while the checkpoint is written). Call it from `on_step`."""
+        (while the checkpoint is written), except after the `last` step, where nothing would train
+        what it generated. Call it from `on_step`."""
         await self.settle()
         state = self.state_dict()
-        self.pool.changed()
+        if last:
+            self.pool.pause()  # a weight push still landing would otherwise start more groups
+        else:
+            self.pool.changed()
         return state
 
     async def settle(self) -> None:

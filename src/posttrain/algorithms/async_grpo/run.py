@@ -472,7 +472,7 @@ async def train(
         # settled while the controller runs (the last step too: a longer run may resume from it), so
         # in-flight groups are saved, not redrawn
         c = run.controller
-        state = await c.checkpoint_state() if c.running else c.state_dict()
+        state = await c.checkpoint_state(last=step == num_steps) if c.running else c.state_dict()
         extra = {"step": step, "controller": state, "config": _resume_view(cfg), **prompt_format_state(cfg)}
         await run.trainer.call(run.ckpt.save, run.policy, step, extra, metrics)
         saved[0] = step
