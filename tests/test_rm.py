@@ -163,6 +163,11 @@ def test_a_reward_model_of_another_vocabulary_scores_the_rows_it_was_trained_on(
     )
     assert prompts[0] + completions[0] == trained + [rm_tok.eos_token_id]
     assert prompts[0][0] == rm_tok.bos_token_id
+    # stopped on a stop string: no EOS was drawn, so none is scored (the same-vocabulary rows have none)
+    text = policy_tok("5", add_special_tokens=False)["input_ids"]
+    on_string = GenerationResult(0, 0, prompt, text, [0.0] * len(text), "stop", stop_reason="5")
+    _, completions = RewardModel._rows(scorer, [PromptItem(0, "2+3=", prompt)], [on_string])
+    assert completions[0] == rm_tok("5", add_special_tokens=False)["input_ids"]
 
 
 def test_a_reward_model_of_another_vocabulary_scores_a_dataset_prompt_as_posttrain_rm_formats_it(tmp_path):

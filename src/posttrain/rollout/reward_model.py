@@ -13,7 +13,8 @@ rows `posttrain rm` trains on. Otherwise the rows are built as `posttrain rm` bu
 reward model's tokenizer with its default prompt format: a dataset task's raw problem
 (`metadata['problem']`, not the policy's templated prompt) in the reward model's own chat template when
 it has one, its BOS first (`rm_prompts`); the completion decoded without the policy's special tokens and
-re-tokenized, EOS appended when the sample stopped on it.
+re-tokenized, EOS appended when the sample stopped on a token (an EOS or a stop_token_ids id: sampled, as
+in the same-vocabulary rows), not on a stop string or the length limit.
 
 A failed rule reward counts only where the rule reward counts: with `task_weight=0` it is a metric,
 and the sample keeps its reward-model score. A score that is not finite fails its sample (reward NaN,
@@ -132,7 +133,7 @@ class RewardModel:
         eos = self.tokenizer.eos_token_id
         completions = [
             enc(dec(r.token_ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
-            + ([eos] if r.finish_reason == "stop" and eos is not None else [])
+            + ([eos] if _stopped_on_a_token(r) and eos is not None else [])
             for r in results
         ]
         return rm_prompts(items, self.tokenizer, self.policy_tokenizer), [
@@ -214,3 +215,10 @@ def combine_rewards(
         "reward/model_failed": float(model_bad.sum()),
     }
     return rewards, failed, metrics
+
+
+def _stopped_on_a_token(result: GenerationResult) -> bool:
+    """Whether the sample ended on a stop token it drew (an EOS or a stop_token_ids id), which the
+    same-vocabulary rows keep as its last token; a stop string (`stop_reason` a str) ends a sample
+    without one."""
+    return result.finish_reason == "stop" and not isinstance(result.stop_reason, str)
