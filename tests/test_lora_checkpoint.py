@@ -389,3 +389,26 @@ def test_the_base_digest_reads_sampled_chunks_of_each_weight_file(tmp_path, monk
     small = base_weights(ModelConfig(name=str(tmp_path)))
     f.write_bytes(data[:15] + b"\x00")
     assert base_weights(ModelConfig(name=str(tmp_path))) != small
+
+
+def test_a_recorded_tokenizer_not_found_from_here_is_read_from_the_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint that recorded its tokenizer as a path relative to its run's directory exports from
+    elsewhere (with --base for the model): the tokenizer comes from the files the checkpoint saved."""
+    run = tmp_path / "run"
+    save_family_model("llama", build_char_tokenizer(), run / "base")
+    build_char_tokenizer().save_pretrained(run / "tok")
+    monkeypatch.chdir(run)
+    policy = Policy(cfg(model={"name": "base", "tokenizer": "tok"}))
+    train(policy, range(1))
+    policy.save_checkpoint(run / "ckpt")
+    want = policy.full_state_dict()
+    meta_file = run / "ckpt" / checkpoint.METADATA_FILE
+    meta = json.loads(meta_file.read_text())  # as recorded before paths were made absolute
+    meta["fingerprint"]["config"].update({"model.name": "base", "model.tokenizer": "tok"})
+    meta_file.write_text(json.dumps(meta))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["export", str(run / "ckpt"), "out", "--base", str(run / "base")]) == 0
+    got = AutoModelForCausalLM.from_pretrained("out").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

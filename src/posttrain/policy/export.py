@@ -176,13 +176,29 @@ def _consolidated_model(root: Path, meta: dict[str, Any], dtype: torch.dtype | N
 # ---------------------------------------------------------------------- LoRA checkpoints
 
 
-def _base_config(meta: dict[str, Any], base: str | None) -> ModelConfig:
+def _base_config(meta: dict[str, Any], base: str | None, root: Path) -> ModelConfig:
     """The model section a LoRA checkpoint's base is rebuilt from (`base`: the model to use instead of
-    the recorded `model.name`)."""
+    the recorded `model.name`). A recorded tokenizer that is not a local directory from here (a path
+    relative to the training run's working directory, or a hub name) is read from the tokenizer files
+    the checkpoint `root` saved: the ones the run trained with, found without the run's directory or
+    the hub."""
     identity = meta["fingerprint"]["config"]
+    tokenizer = identity["model.tokenizer"]
+    saved = root / checkpoint.HF_FILES_DIR
+    elsewhere = (
+        tokenizer is not None and tokenizer not in BUILT_IN and not Path(tokenizer).expanduser().is_dir()
+    )
+    if elsewhere and (saved / "tokenizer_config.json").is_file():
+        log.warning(
+            "checkpoint '%s' records model.tokenizer=%r, not a directory from here; using the tokenizer "
+            "files the checkpoint saved",
+            root,
+            tokenizer,
+        )
+        tokenizer = str(saved)
     fields = {
         "name": absolute_local_path(base) or identity["model.name"],
-        "tokenizer": identity["model.tokenizer"],
+        "tokenizer": tokenizer,
         "head": saved_head(meta),
     }
     if fields["name"] == "tiny":
@@ -211,7 +227,7 @@ def _load_base(root: Path, meta: dict[str, Any], base: str | None):
     """A LoRA checkpoint's base model with its (untrained) adapters, and its model config. A base that
     cannot be loaded is a ValueError that names what the checkpoint records and how to fix it."""
     identity = meta["fingerprint"]["config"]
-    model_cfg = _base_config(meta, base)
+    model_cfg = _base_config(meta, base, root)
     used = [identity["model.name"] if base is None else None, identity["model.tokenizer"]]
     if any(_relative(n) and Path(n).expanduser().exists() for n in used):
         log.warning(
