@@ -63,7 +63,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {  # name -> (model_type, config overrid
 
 
 def family_config(name: str, vocab_size: int, **overrides) -> PretrainedConfig:
-    model_type, extra = FAMILIES[name]
+    """The tiny config of family `name` (a FAMILIES key, or any other transformers model type with the
+    common shape alone)."""
+    model_type, extra = FAMILIES.get(name, (name, {}))
     return AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,

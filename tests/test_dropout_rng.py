@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import random_batch
 from helpers import policy_cfg
+from model_zoo import save_family_model
 from posttrain.algorithms.losses import NLLLoss
 from posttrain.data.batch import shard_batch
 from posttrain.models.tokenizer import build_char_tokenizer
@@ -27,26 +27,8 @@ SGD = {"name": "torch.optim.SGD", "lr": 1e-3}
 @pytest.fixture(scope="module")
 def phi_dir(tmp_path_factory) -> str:
     """A tiny Phi model saved with resid_pdrop=0.5 (a checkpoint that ships dropout)."""
-    tok = build_char_tokenizer()
-    config = AutoConfig.for_model(
-        "phi",
-        vocab_size=len(tok),
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        resid_pdrop=0.5,
-    )
     out = tmp_path_factory.mktemp("phi_dropout")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return str(save_family_model("phi", build_char_tokenizer(), out, resid_pdrop=0.5))
 
 
 def _cfg(world: int, model_dir: str, parallel: dict, disable_dropout: bool = False) -> PolicyConfig:

@@ -86,6 +86,7 @@ def _hf_storage(kind: str):
 FORMAT = "posttrain-checkpoint"
 FORMAT_VERSION = 1
 HF_FILES_DIR = "hf"
+EXTRA_STATE_FILE = "extra_state.json"  # the training loop's own state (JSON)
 
 
 @dataclass
@@ -348,7 +349,7 @@ def _write_rank0_files(
     if scalars is not None:
         train_state["optimizer_scalars"] = scalars
     _write_text(root / "train_state.json", _to_json(train_state, "the scheduler/optimizer state"))
-    _write_text(root / "extra_state.json", extra_json)
+    _write_text(root / EXTRA_STATE_FILE, extra_json)
     if config_yaml is not None:
         _write_text(root / "config.yaml", config_yaml)
     hf_dir = root / HF_FILES_DIR
@@ -541,7 +542,7 @@ def load_checkpoint(
     return CheckpointInfo(
         trainer_version=meta["trainer_version"],
         world_size=meta["world_size"],
-        extra_state=read_json(root / "extra_state.json"),
+        extra_state=read_json(root / EXTRA_STATE_FILE),
     )
 
 

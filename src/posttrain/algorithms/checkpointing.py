@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.checkpoint import verify_checkpoint
+from posttrain.checkpoint import EXTRA_STATE_FILE, verify_checkpoint
 from posttrain.checkpoint_verify import read_json
 from posttrain.config import Config, nearest_key
 from posttrain.logging import get_logger
@@ -85,7 +85,7 @@ class CheckpointManager:
         """Raise ValueError unless each companion of `path` is intact and from the same save."""
         if not self.companions:
             return
-        listed = read_json(path / "extra_state.json").get("companions", {})
+        listed = read_json(path / EXTRA_STATE_FILE).get("companions", {})
         for name in self.companions:
             other = self.companion_path(path, name)
             if name not in listed:
@@ -96,7 +96,7 @@ class CheckpointManager:
             if not (other / "metadata.json").is_file():
                 raise ValueError(f"its {name} checkpoint {other.name} is missing")
             verify_checkpoint(other)
-            if read_json(other / "extra_state.json").get("save_id") != listed[name]:
+            if read_json(other / EXTRA_STATE_FILE).get("save_id") != listed[name]:
                 raise ValueError(f"its {name} checkpoint {other.name} is from another save")
 
     def complete_checkpoints(self) -> list[Path]:
@@ -246,7 +246,7 @@ class CheckpointManager:
 
     def _score(self, path: Path) -> float | None:
         name = self.cfg.metric_name
-        extra = path / "extra_state.json"
+        extra = path / EXTRA_STATE_FILE
         if name is None or not extra.is_file():
             return None
         try:

@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 from posttrain.algorithms.losses import DPOConfig, DPOLoss
 from posttrain.algorithms.runs import (
     check_fresh_output,
+    overwrite_field,
     run_policy,
     shuffled_batches,
     start_output,
@@ -87,11 +88,7 @@ class DPORunConfig(Config):
     save_final_model: bool = Field(
         True, description="save the trained model as an HF directory, <output_dir>/hf"
     )
-    overwrite: bool = Field(
-        False,
-        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
-        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
-    )
+    overwrite: bool = overwrite_field()
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

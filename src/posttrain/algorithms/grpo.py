@@ -28,7 +28,7 @@ from posttrain.algorithms.runs import (
     RunInterrupted,
     StopOnInterrupt,
     check_fresh_start,
-    failure,
+    closing_metrics,
     interrupted,
     optimizer_view,
     prompt_format_state,
@@ -205,10 +205,9 @@ def run_grpo(
         cfg.logging.progress_bar,
     )
     saved = run.step  # the newest checkpoint's step
-    failed = False
     metrics: dict[str, float] = {}  # the latest step's own (`last` also holds earlier validations)
     try:
-        with StopOnInterrupt(cfg.algorithm, cfg.checkpointing.enabled) as stop:
+        with closing_metrics(metrics_log), StopOnInterrupt(cfg.algorithm, cfg.checkpointing.enabled) as stop:
             if cfg.grpo.val_at_start and run.step == 0 and run.task.eval is not None:
                 last.update(validate(run))
                 metrics_log.log(last, 0)
@@ -227,12 +226,8 @@ def run_grpo(
                     saved = run.step
             if stop.requested and keeps_going(run):
                 raise stop_here(run, ckpt, saved, metrics)
-    except BaseException as err:
-        failed = failure(err)
-        raise
     finally:
         progress.close()
-        metrics_log.close(failed=failed)
         shut_down_reward_model(run)
     plot_metrics(metrics_log.path, run.out / "curves.png", episodes.CURVES)
     return last

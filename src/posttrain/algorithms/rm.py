@@ -25,6 +25,7 @@ from posttrain.algorithms.dpo import check_pairs_stay_whole, pair_rows
 from posttrain.algorithms.losses import BradleyTerryConfig, BradleyTerryLoss
 from posttrain.algorithms.runs import (
     check_fresh_output,
+    overwrite_field,
     run_policy,
     shuffled_batches,
     start_output,
@@ -69,11 +70,7 @@ class RMRunConfig(Config):
         description="save the reward model as an HF directory, <output_dir>/hf "
         "(AutoModelForSequenceClassification; what grpo's reward_model.path takes)",
     )
-    overwrite: bool = Field(
-        False,
-        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
-        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
-    )
+    overwrite: bool = overwrite_field()
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="before")

@@ -11,6 +11,7 @@ is the step loop of the preference runs (DPO, reward models).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import signal
@@ -23,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from posttrain.algorithms.checkpointing import CheckpointingConfig, CheckpointManager, check_resume_config
+from posttrain.checkpoint import EXTRA_STATE_FILE
 from posttrain.checkpoint_verify import read_json
 from posttrain.config import Config, dump_config
 from posttrain.envs.build import EnvConfig, EnvSuite, build_env
@@ -146,7 +149,7 @@ def resume(
     if path is None:
         return None
     # every check before anything loads: a refused resume leaves the policy as it was
-    extra = read_json(path / "extra_state.json")
+    extra = read_json(path / EXTRA_STATE_FILE)
     if requires is not None and requires not in extra:
         raise ValueError(f"checkpoint {path} has no {requires} state; {hint}")
     # a full checkpoint in a LoRA run (or the reverse) is refused naming the way across, before its
@@ -284,6 +287,15 @@ def _listed(out: Path, found: list[Path]) -> str:
 OUTPUT_FILES = (*RUN_FILES, "hf")  # a run without checkpoints: its history and its final model
 
 
+def overwrite_field() -> Any:
+    """The `overwrite` key of the runs that write one model directory (sft, dpo, rm)."""
+    return Field(
+        False,
+        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
+        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
+    )
+
+
 def check_fresh_output(output_dir: str | Path, what: str, overwrite: bool) -> None:
     """A run without checkpoints (`what`: sft, dpo, rm) into an output directory that holds a run: refused
     unless `overwrite` consents (the clearing waits for `start_output`, once the new run is built). Call
@@ -375,6 +387,20 @@ def failure(err: BaseException) -> bool:
     return not isinstance(err, RunInterrupted)
 
 
+@contextlib.contextmanager
+def closing_metrics(metrics_log: MetricsLogger) -> Iterator[None]:
+    """Close `metrics_log` when the block ends, marking the run failed where an error other than
+    `RunInterrupted` ended it (`failure`)."""
+    failed = False
+    try:
+        yield
+    except BaseException as err:
+        failed = failure(err)
+        raise
+    finally:
+        metrics_log.close(failed=failed)
+
+
 class StopOnInterrupt:
     """While active (in the main thread), the first Ctrl-C (SIGINT) only sets `requested`: the loop
     finishes its step, saves and raises `RunInterrupted`. A second Ctrl-C aborts at once
@@ -464,33 +490,30 @@ def train_steps(
         held.update({f"val_{k}": val[k] for k in returned})
         return val["accuracy"]
 
-    step, failed = 0, False
+    step = 0
     try:
-        if validate is not None:
-            check(0)
-            if at_start is not None:
-                held[f"val_{at_start}_at_start"] = held[f"val_{at_start}"]
-        with StopOnInterrupt(what, saves=False) as stop:
-            while step < cfg.max_num_steps and not stop.requested:
-                step += 1
-                t = time.perf_counter()
-                last.update(policy.train(next_batch(), loss))
-                last["step_time_s"] = time.perf_counter() - t
-                metrics_log.log(last, step, prefix="train")
-                shown = {"train/loss": last["loss"]}
-                if validate is not None and (
-                    step == cfg.max_num_steps or (cfg.val_period and step % cfg.val_period == 0)
-                ):
-                    shown["val/accuracy"] = check(step)
-                progress.update(step, shown)
-            if step < cfg.max_num_steps:
-                raise interrupted(what, step, cfg.max_num_steps, None, None)
-            if cfg.save_final_model:
-                save_hf_dir(policy, out / "hf", prompt_format)
-    except BaseException as err:
-        failed = failure(err)
-        raise
+        with closing_metrics(metrics_log):
+            if validate is not None:
+                check(0)
+                if at_start is not None:
+                    held[f"val_{at_start}_at_start"] = held[f"val_{at_start}"]
+            with StopOnInterrupt(what, saves=False) as stop:
+                while step < cfg.max_num_steps and not stop.requested:
+                    step += 1
+                    t = time.perf_counter()
+                    last.update(policy.train(next_batch(), loss))
+                    last["step_time_s"] = time.perf_counter() - t
+                    metrics_log.log(last, step, prefix="train")
+                    shown = {"train/loss": last["loss"]}
+                    if validate is not None and (
+                        step == cfg.max_num_steps or (cfg.val_period and step % cfg.val_period == 0)
+                    ):
+                        shown["val/accuracy"] = check(step)
+                    progress.update(step, shown)
+                if step < cfg.max_num_steps:
+                    raise interrupted(what, step, cfg.max_num_steps, None, None)
+                if cfg.save_final_model:
+                    save_hf_dir(policy, out / "hf", prompt_format)
     finally:
         progress.close()
-        metrics_log.close(failed=failed)
     return {**last, **held}

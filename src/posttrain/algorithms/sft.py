@@ -14,9 +14,10 @@ from posttrain.algorithms.losses import NLLLoss
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
     check_fresh_output,
-    failure,
+    closing_metrics,
     interrupted,
     open_metrics,
+    overwrite_field,
     prompt_format_record,
     save_hf_dir,
     shuffled_batches,
@@ -61,11 +62,7 @@ class SFTConfig(Config):
     save_final_model: bool = Field(
         True, description="save the trained model as an HF directory, <output_dir>/hf"
     )
-    overwrite: bool = Field(
-        False,
-        description="start over in an output_dir that holds a run: delete it first (metrics.jsonl, "
-        "config.yaml, hf/ and the other files a run writes) instead of refusing (CLI: --overwrite)",
-    )
+    overwrite: bool = overwrite_field()
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
@@ -145,9 +142,9 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
     progress = StepProgress(cfg.max_num_steps, "sft", ("train/loss", "val/loss"), cfg.logging.progress_bar)
     batches = example_batches(examples, cfg.policy.train_global_batch_size, cfg.seed)
     last: dict[str, float] = {}
-    step, val, val_step, failed = 0, 0.0, -1, False  # val: the held-out loss at val_step
+    step, val, val_step = 0, 0.0, -1  # val: the held-out loss at val_step
     try:
-        with StopOnInterrupt("sft", saves=False) as stop:
+        with closing_metrics(metrics_log), StopOnInterrupt("sft", saves=False) as stop:
             while step < cfg.max_num_steps and not stop.requested:
                 step += 1
                 t0 = time.perf_counter()
@@ -169,10 +166,6 @@ def run_sft(cfg: SFTConfig, policy: Policy | None = None) -> dict[str, float]:
                 last["val_loss"] = val
             if cfg.save_final_model:
                 save_hf_dir(policy, out / "hf", prompt_format_record(cfg.task, cfg.env))
-    except BaseException as err:
-        failed = failure(err)
-        raise
     finally:
         progress.close()
-        metrics_log.close(failed=failed)
     return last

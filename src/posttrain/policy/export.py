@@ -137,7 +137,7 @@ def copy_tokenizer_files(checkpoint_dir: str | Path, out_dir: Path) -> None:
 def recorded_prompt_format(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     """The prompt format record a training loop kept in the checkpoint's extra state (None: a checkpoint
     saved before the record existed, by a run on an environment, or by a companion)."""
-    path = Path(checkpoint_dir) / "extra_state.json"
+    path = Path(checkpoint_dir) / checkpoint.EXTRA_STATE_FILE
     extra = read_json(path) if path.is_file() else None
     return extra.get(EXTRA_STATE_KEY) if isinstance(extra, dict) else None
 

@@ -159,10 +159,15 @@ def reduce_step(step: OpenStep, all_reduce: Callable) -> tuple[dict[str, float],
     return metrics, seqs, toks, nonfinite
 
 
-# the counts `reduce_step` and `finish_train_step` add to a step's metrics (summed over steps)
-STEP_COUNTS = frozenset(
-    {"global_valid_seqs", "global_valid_toks", "num_microbatches", "inert_seqs_skipped", "step_skipped"}
-)
+# how the values `reduce_step` and `finish_train_step` add to a step's metrics combine over steps: the
+# counts summed, the trainer version the largest (the last step's: versions only increase)
+STEP_KINDS: dict[str, MetricKind] = {
+    **dict.fromkeys(
+        ("global_valid_seqs", "global_valid_toks", "num_microbatches", "inert_seqs_skipped", "step_skipped"),
+        "none",
+    ),
+    "trainer_version": "max",
+}
 
 
 def merge_step_metrics(
@@ -171,7 +176,7 @@ def merge_step_metrics(
     """Combine the metrics of several optimizer steps: a declared token / sequence / loss mean weighted
     by each step's valid tokens / sequences / loss normalizer (`loss_type`), so a last step of a few
     real samples (a held-out set padded to whole global batches) counts for those few; counts (declared
-    `none` and the step's own, `STEP_COUNTS`) summed; min/max; `trainer_version` the last step's; other
+    `none` and the step's own, `STEP_KINDS`) summed; min/max; `trainer_version` the last step's; other
     values (gradient norm, learning rate) plain means."""
     if len(results) == 1:
         return dict(results[0])
@@ -184,10 +189,7 @@ def merge_step_metrics(
     for name in dict.fromkeys(k for r in results for k in r):  # a skipped step lacks some keys
         present = [r for r in results if name in r]
         values = [r[name] for r in present]
-        if name == "trainer_version":
-            out[name] = values[-1]
-            continue
-        kind = "none" if name in STEP_COUNTS else kinds.get(name)  # other undeclared ones: plain means
+        kind = STEP_KINDS.get(name) or kinds.get(name)  # other undeclared ones: plain means
         if kind in ("none", "min", "max"):
             acc = identity_of(kind)
             for v in values:

@@ -79,7 +79,7 @@ class PolicyWorker(ScalarHeadVerbs, RoutingVerbs):
         master_port: int | None = None,
         seed: int = 0,
     ) -> None:
-        self.cfg = with_absolute_paths(cfg)  # the checkpoint records paths valid from anywhere
+        cfg = self.cfg = with_absolute_paths(cfg)  # the checkpoint records paths valid from anywhere
         self.rank, self.world_size = rank, world_size
         self.dims = cfg.parallel.dims(world_size)
         self._seed_generators(seed)

@@ -53,7 +53,7 @@ from posttrain.algorithms.losses import ClippedPGLoss, with_completion_length
 from posttrain.algorithms.runs import (
     StopOnInterrupt,
     check_fresh_start,
-    failure,
+    closing_metrics,
     interrupted,
     optimizer_view,
     prompt_format_state,
@@ -550,20 +550,16 @@ def run_async_grpo(
         last.update(metrics)
         return hook(r, step, metrics) if hook is not None else None
 
-    failed = False
     try:
-        with StopOnInterrupt("grpo-async", cfg.checkpointing.enabled) as stop:
-            summary = asyncio.run(train(run, metrics_log, keep_last, stop))
-        for index, reason in summary.dead_workers.items():
-            log.warning("rollout worker %d was lost during the run: %s", index, reason)
-        final = summary_metrics(summary)
-        metrics_log.log(final, summary.steps)
-        last.update(final)
-    except BaseException as err:
-        failed = failure(err)
-        raise
+        with closing_metrics(metrics_log):
+            with StopOnInterrupt("grpo-async", cfg.checkpointing.enabled) as stop:
+                summary = asyncio.run(train(run, metrics_log, keep_last, stop))
+            for index, reason in summary.dead_workers.items():
+                log.warning("rollout worker %d was lost during the run: %s", index, reason)
+            final = summary_metrics(summary)
+            metrics_log.log(final, summary.steps)
+            last.update(final)
     finally:
-        metrics_log.close(failed=failed)
         close(run)
     plot_metrics(metrics_log.path, out / "curves.png", CURVES)
     return last
