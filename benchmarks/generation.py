@@ -22,6 +22,7 @@ Both sides use torch's default intra-op threads (all cores) unless --threads say
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -148,11 +149,10 @@ def compare(
     from posttrain.models.cpu_gemm import apply_cpu_matmul
 
     shape = shape or SHAPE
-    ours_model = apply_cpu_matmul(
-        build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval(), cpu_matmul
-    )
-    # same weights, untouched by the engine
-    ref_model = build_tiny_model(vocab, seed=0, **shape).to(device, dtype).eval()
+    with torch.device(device):  # initialised where it runs (a 1.5B model takes minutes on a host CPU)
+        model = build_tiny_model(vocab, seed=0, **shape)
+    ref_model = copy.deepcopy(model).to(device, dtype).eval()  # same weights, untouched by the engine
+    ours_model = apply_cpu_matmul(model.to(device, dtype).eval(), cpu_matmul)
     prompts = make_prompts(vocab, batch)
     ours = engine_runner(ours_model, prompts, new_tokens, greedy, engine_cfg)
     ref = hf_runner(ref_model, prompts, new_tokens, greedy)

@@ -3,6 +3,8 @@ graph), the refusals, and on a GPU the replayed graphs against eager decoding.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -110,6 +112,46 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
     qwen3 = build_tiny_model(VOCAB, seed=0, family="qwen3")  # q/k norms: not a lean-decoder model
     with pytest.raises(ValueError, match="qwen3 model decodes through transformers' forward"):
         GenerationEngine(qwen3, TOK, GenerationConfig(cuda_graphs=True))
+    with pytest.raises(
+        ValueError, match="compile_decode covers.*qwen3 model decodes through.*compile_decode=false"
+    ):
+        GenerationEngine(qwen3, TOK, GenerationConfig(compile_decode=True))
+
+
+def test_compiled_decode_step_samples_what_the_eager_step_samples():
+    """generation.compile_decode (torch.compile of the lean step; on CPU inductor's C++ kernels): the same
+    tokens as the eager engine, logprobs within rounding, through shrinking rows and growing lengths
+    (the dynamic-shape variant), after a copy load and after a load that re-points the parameters
+    (parameters are inputs of the compiled graph, not constants), and from the asyncio stepping thread."""
+    prompts, params = staggered()
+    greedy = [SamplingParams(max_new_tokens=p.max_new_tokens, greedy=True, stop_at_eos=False) for p in params]
+
+    def engine(compile_decode: bool) -> GenerationEngine:
+        model = build_tiny_model(VOCAB, seed=0, family="qwen2")  # q/k/v biases
+        return GenerationEngine(model, TOK, GenerationConfig(max_num_seqs=8, compile_decode=compile_decode))
+
+    eager, compiled = engine(False), engine(True)
+    assert compiled._decoder is not compiled._lean and compiled._lean.packs is None
+
+    def same(p) -> None:
+        a, b = eager.generate(prompts, p), compiled.generate(prompts, p)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+    same(params)
+    same(greedy)
+    other = build_tiny_model(VOCAB, seed=1, family="qwen2").state_dict()
+    for e in (eager, compiled):
+        e.load_weights(other, version=1)
+    same(params)
+    shared = {k: v.clone() for k, v in build_tiny_model(VOCAB, seed=2, family="qwen2").state_dict().items()}
+    for e in (eager, compiled):
+        e.share_weights(shared, version=2)  # the parameters now view these tensors
+    same(greedy)
+    a = eager.generate(prompts, params)
+    b = asyncio.run(compiled.agenerate_all(prompts, params))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
 @pytest.mark.gpu
@@ -143,3 +185,31 @@ def test_replayed_graphs_decode_what_eager_steps_decode():
     graphed.wake()
     assert [r.token_ids for r in graphed.generate(prompts, greedy)] == [r.token_ids for r in a]
     assert graphed._graphs.num_captured > captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_of_the_compiled_step_decode_what_eager_steps_decode():
+    """On the GPU: graphs captured from the compiled step (generation.compile_decode, inductor's Triton
+    kernels) replay the eager step: same tokens, logprobs within fp32 rounding, also after a copy load."""
+    prompts, params = staggered()
+    greedy = [SamplingParams(max_new_tokens=p.max_new_tokens, greedy=True, stop_at_eos=False) for p in params]
+
+    def engine(fast: bool) -> GenerationEngine:
+        cfg = GenerationConfig(
+            max_num_seqs=8, device="cuda", cuda_graphs=fast, compile_decode=fast, max_model_len=600
+        )
+        return GenerationEngine(build_tiny_model(VOCAB, seed=0, family="qwen2"), TOK, cfg)
+
+    eager, fast = engine(False), engine(True)
+    for p in (params, greedy):
+        a, b = eager.generate(prompts, p), fast.generate(prompts, p)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+    assert len(fast._graphs) == 4
+    other = build_tiny_model(VOCAB, seed=1, family="qwen2").state_dict()
+    for e in (eager, fast):
+        e.load_weights(other, version=1)
+    a, b = eager.generate(prompts, greedy), fast.generate(prompts, greedy)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]

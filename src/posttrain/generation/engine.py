@@ -48,7 +48,7 @@ from collections.abc import Hashable, Iterator
 import torch
 
 from posttrain.dtypes import DTYPES
-from posttrain.generation.graphs import DecodeGraphs
+from posttrain.generation.graphs import DecodeGraphs, lean_step
 from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lean_decode import PACK_MIN_NUMEL, LeanDecoder
 from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logprobs
@@ -114,7 +114,10 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._head = LMHead(model.get_output_embeddings(), self.cfg.max_num_seqs)
         self._body = plain_head_body(model)  # set: the engine applies the LM head itself
         packs = self._head.packs  # the lean decoder's projections are packed beside the head
+        if self.cfg.compile_decode:  # inductor compiles the plain path (no oneDNN packs)
+            packs = None
         self._lean = LeanDecoder.for_model(model, self.max_len, packs) if self._body is not None else None
+        self._decoder = lean_step(self._lean, self._body, config.model_type, self.cfg)  # the decode step
         self.eos_token_ids = eos_token_ids(self.tokenizer, model)  # a request stops at any (stop_at_eos)
         self.pad_token_id = getattr(self.tokenizer, "pad_token_id", None) or 0
         self.weight_version = 0
@@ -135,22 +138,12 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._rows: RowParams | None = None
         self._graphs = None
         if self.cfg.cuda_graphs:
-            config = self.model.config
-            why = "decodes through transformers' forward" if self._lean is None else None
-            if why is None and "dynamic" in str(getattr(self._body.rotary_emb, "rope_type", "")):
-                why = "has a dynamic rotary embedding (recomputed on a host-side length check)"
-            if why:
-                raise ValueError(
-                    f"generation.cuda_graphs covers the lean decoder's models (Llama, Qwen2, Mistral without "
-                    f"sliding windows or dynamic rope); this {config.model_type} model {why}. Set "
-                    "generation.cuda_graphs=false for it"
-                )
             self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, self.dtype, capture=True)
 
     def _graph_step(self, rows: int, length: int) -> torch.Tensor:
         """The decode forward a graph captures: hidden states of slots 0..rows-1 from the engine's buffers."""
         mask = self._graphs.mask[:rows, :, :, :length]
-        return self._lean(self._last[:rows], self._pos[:rows], mask, self.cache)
+        return self._decoder(self._last[:rows], self._pos[:rows], mask, self.cache)
 
     def _build_queues(self) -> None:
         self._waiting: deque[Request] = deque()
@@ -513,7 +506,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         if self._graphs is not None and self.cache.keys[0] is not None:
             logits = self._head(self._graphs.run(n, visible))
         elif self._lean is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._lean(self._last[:n], pos, self._masks.decode(visible), self.cache))
+            logits = self._head(self._decoder(self._last[:n], pos, self._masks.decode(visible), self.cache))
         else:
             mask = self._masks.decode(visible)
             self.cache.plan_decode(n, pos, length)  # transformers' attention writes through cache.update

@@ -34,8 +34,34 @@ from collections.abc import Callable
 
 import torch
 
+from posttrain.generation.lean_decode import LeanDecoder, compiled
+
 LENGTH_BUCKET = 256  # the smallest step of attended lengths (see length_bucket)
 WARMUP_STEPS = 2  # eager runs on a side stream before a capture (lazy initialisation of the step's ops)
+
+
+def lean_step(lean: LeanDecoder | None, body, model_type: str, cfg) -> Callable[..., torch.Tensor] | None:
+    """The engine's decode step: `lean` (None where the model decodes through transformers' forward),
+    compiled with `cfg.compile_decode`. Refuses (ValueError with the fix) `cfg.cuda_graphs` and
+    `cfg.compile_decode` for a model the lean decoder does not run, and graphs for a dynamic rotary
+    embedding (it decides on the host whether to recompute, which a replay would skip)."""
+    for flag in ("cuda_graphs", "compile_decode"):
+        why = None
+        if getattr(cfg, flag) and lean is None:
+            why = "decodes through transformers' forward"
+        elif (
+            flag == "cuda_graphs"
+            and cfg.cuda_graphs
+            and "dynamic" in str(getattr(body.rotary_emb, "rope_type", ""))
+        ):
+            why = "has a dynamic rotary embedding (recomputed on a host-side length check)"
+        if why:
+            raise ValueError(
+                f"generation.{flag} covers the lean decoder's models (Llama, Qwen2, Mistral without sliding "
+                f"windows{' or dynamic rope' if flag == 'cuda_graphs' else ''}); this {model_type} model {why}. "
+                f"Set generation.{flag}=false for it"
+            )
+    return compiled(lean) if cfg.compile_decode else lean
 
 
 def row_bucket(rows: int, max_rows: int) -> int:

@@ -21,6 +21,8 @@ within rounding of torch's (greedy decoding still equals `generate`; tests/test_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,7 @@ from posttrain.generation.windows import layer_windows
 from posttrain.models.cpu_gemm import mkldnn_linear
 
 _FAMILIES = ("llama", "qwen2", "mistral")
+COMPILE_RECOMPILE_LIMIT = 64  # dynamo's per-code limit of compiled variants, raised to at least this
 PACK_MIN_NUMEL = 1 << 16  # projections with fewer weights run as plain F.linear (packing gains little)
 
 
@@ -209,3 +212,17 @@ class LeanDecoder:
         x = _rms_norm(h, norm2)
         act = linear.binary(x, linear(x, gate_w, gate_b, "swish", [], ""), up_w, up_b, "mul")
         return linear.binary(act, h, down_w, down_b, "add")
+
+
+def compiled(decoder: LeanDecoder) -> Callable[..., torch.Tensor]:
+    """`decoder`'s step compiled by torch.compile (inductor; `generation.compile_decode`): the norms, the
+    rotary embedding, the attention's scale-mask-softmax and the activation become a few fused kernels
+    per layer around the matmuls, where the plain path launches about forty. The first call of a shape
+    compiles (seconds to a minute); the second distinct shape compiles a dynamic-shape variant that
+    serves every later one. Each engine is a variant of its own (dynamo guards on the decoder object),
+    so dynamo's recompile limit (8 by default, past which it silently runs eagerly) is raised to at
+    least COMPILE_RECOMPILE_LIMIT. Parameters are inputs of the compiled graph, not constants: weight
+    loads, in place or re-pointed, are seen as the eager step sees them."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
+    return torch.compile(decoder.__call__, dynamic=None)

@@ -71,6 +71,14 @@ class GenerationConfig(Config):
         "captured on first use): one launch instead of a few hundred per token; CUDA only, and for the "
         "families the lean decoder runs (Llama, Qwen2, Mistral without sliding windows)",
     )
+    compile_decode: bool = Field(
+        False,
+        description="compile the decode step with torch.compile (inductor): the norms, rotary embedding, "
+        "attention softmax and activation fuse into a few kernels per layer; with cuda_graphs the compiled "
+        "step is what the graphs capture. The first step of a new shape compiles (seconds to a minute). "
+        "For the families the lean decoder runs (Llama, Qwen2, Mistral without sliding windows); on CPU "
+        "it replaces the oneDNN-packed step",
+    )
     record_routing: bool = Field(
         False,
         description="MoE models: return with each result the expert ids its tokens were routed to "
