@@ -48,6 +48,7 @@ from collections.abc import Hashable, Iterator
 import torch
 
 from posttrain.dtypes import DTYPES
+from posttrain.generation.decode import DecodeSteps
 from posttrain.generation.graphs import DecodeGraphs, lean_step
 from posttrain.generation.kv_cache import SlotKVCache
 from posttrain.generation.lean_decode import PACK_MIN_NUMEL, LeanDecoder
@@ -73,7 +74,7 @@ _UNSEEDED_SALT = 0x5851F42D4C957F2D  # separates engine-seeded streams from user
 DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds the KV cache)
 
 
-class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
+class GenerationEngine(AsyncStepping, DecodeSteps, EngineWeights, EngineSessions):
     """Batched sampler over one Hugging Face causal LM; see the module docstring. The asyncio verbs
     come from `AsyncStepping` (generation/stepper.py), the weight verbs from `EngineWeights`
     (generation/weights.py), the session verbs from `EngineSessions` (generation/sessions.py)."""
@@ -139,6 +140,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._graphs = None
         if self.cfg.cuda_graphs:
             self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, self.dtype, capture=True)
+        self._build_decode()  # the step in flight (generation/decode.py)
 
     def _graph_step(self, rows: int, length: int) -> torch.Tensor:
         """The decode forward a graph captures: hidden states of slots 0..rows-1 from the engine's buffers."""
@@ -288,9 +290,18 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         (generation/stepper.py, `_route`)."""
         with self._lock, torch.inference_mode():
             self._check_can_run()
-            finished = self._admit()
-            if self._active:
-                finished += self._decode()
+            finished: list[Request] = []
+            try:
+                due = self._admit_due()
+                if due:  # prefills never run beside a step whose draws are unread (generation/decode.py)
+                    finished += self._settle()
+                finished += self._admit(due)
+                if self._active:
+                    finished += self._decode()
+            except BaseException:
+                finished += self._settle_after_failure()
+                self._route([r.result() for r in finished], park=True)  # for the next step(): none lost
+                raise
             if self._shared and not (self._active or self._waiting):
                 # packed copies of weights shared with a trainer live while requests run: an optimizer
                 # step between two generate() calls updates the tensors in place, not the copies
@@ -324,12 +335,17 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         ids = self.submit_all(prompts, params, streams, sessions)
         wanted = set(ids)
         got: dict[int, GenerationResult] = {}
-        while len(got) < len(ids):
-            for res in self.step():
-                if res.request_id in wanted:
-                    got[res.request_id] = res
-                else:
-                    self._parked.append(res)
+        try:
+            while len(got) < len(ids):
+                for res in self.step():
+                    if res.request_id in wanted:
+                        got[res.request_id] = res
+                    else:
+                        self._parked.append(res)
+        except BaseException:  # a failed step: the results already taken wait for step() with the rest
+            with self._lock:
+                self._parked += got.values()
+            raise
         return [got[i] for i in ids]
 
     def _check_can_run(self) -> None:
@@ -357,9 +373,9 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
             chunk.append(self._waiting.popleft())
         return chunk
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, due: bool) -> list[Request]:
         finished: list[Request] = []
-        if not self._admit_due():
+        if not due:
             return finished
         self._admit_delay = 0
         while self._waiting and not self._admit_paused and len(self._active) < self.cfg.max_num_seqs:
@@ -446,7 +462,7 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         self._last[n0 : n0 + k] = tokens
         self._count[n0 : n0 + k] = 1
         self._rows = None
-        return self._record(n0, tokens, logprobs)
+        return self._record(self._drawn(chunk, tokens, logprobs))
 
     def _forward_at(self, ids, position_ids, mask, last: torch.Tensor) -> torch.Tensor:
         """Logits [b, V] at position `last[i]` of each row, computing the LM head only there. On an fp32
@@ -492,51 +508,6 @@ class GenerationEngine(AsyncStepping, EngineWeights, EngineSessions):
         )
 
     # ------------------------------------------------------------------ decode
-
-    def _decode(self) -> list[Request]:
-        n = len(self._active)
-        if self._rows is None:
-            reqs = self._active
-            self._rows = RowParams.build(
-                [r.params for r in reqs], [r.key for r in reqs], self.vocab_size, self.device
-            )
-        length = max(r.position for r in self._active) + 1
-        pos = self._pos[:n]
-        visible = self._arange[:length][None, :] <= pos[:, None]
-        if self._graphs is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._graphs.run(n, visible))
-        elif self._lean is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._decoder(self._last[:n], pos, self._masks.decode(visible), self.cache))
-        else:
-            mask = self._masks.decode(visible)
-            self.cache.plan_decode(n, pos, length)  # transformers' attention writes through cache.update
-            with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
-                logits = self._decode_logits(n, pos, mask)
-        tokens, logprobs = sample(logits, self._rows, self._count[:n])
-        self._last[:n] = tokens
-        self._pos[:n] += 1
-        self._count[:n] += 1
-        return self._record(0, tokens, logprobs)
-
-    def _decode_logits(self, n: int, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self._body is not None:
-            return self._head(self._hidden(self._last[:n, None], pos[:, None], mask)[:, -1])
-        return self._forward(self._last[:n, None], pos[:, None], mask)[:, -1]
-
-    def _record(self, first_slot: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Request]:
-        """Append drawn tokens to their requests (one host sync); release the slots that finished."""
-        ended = []
-        host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one device->host copy
-        for i, (tok, lp) in enumerate(zip(host[0], host[1])):
-            tok = int(tok)
-            if self._active[first_slot + i].append(tok, lp, self.tokenizer):
-                ended.append(first_slot + i)
-        self.num_generated_tokens += len(tokens)
-        finished = [self._active[s] for s in ended]
-        if ended:
-            self._save_sessions(ended)
-            self._release(ended)
-        return finished
 
     def _release(self, slots: list[int]) -> None:
         """Free finished slots and compact the rest into slots 0..m-1 (order kept): one batched copy of

@@ -79,6 +79,13 @@ class GenerationConfig(Config):
         "For the families the lean decoder runs (Llama, Qwen2, Mistral without sliding windows); on CPU "
         "it replaces the oneDNN-packed step",
     )
+    overlap_decode: bool = Field(
+        False,
+        description="launch each decode step before the host reads the one before (its inputs stay on the "
+        "device), so the host's bookkeeping runs while the device decodes; results come one step later, "
+        "each request draws the same tokens (generation/decode.py). Engines recording MoE routing do not "
+        "overlap",
+    )
     record_routing: bool = Field(
         False,
         description="MoE models: return with each result the expert ids its tokens were routed to "
