@@ -1,8 +1,8 @@
 """Where one decode step of the engine spends its time on a GPU: the whole step as the host sees it
-(engine.step(), the host reading the drawn tokens included) against the device time of its parts, timed
+(engine.step(): with overlap the launch of a step and the host's read of the step before) against the device time of its parts, timed
 alone with CUDA events: the replayed graph of the decoder body, the LM head, the sampler.
 
-    python benchmarks/decode_profile.py [--sizes 150m,qwen2.5-1.5b] [--no-compile] [--steps 40]
+    python benchmarks/decode_profile.py [--sizes 150m,qwen2.5-1.5b] [--no-compile] [--no-overlap] [--steps 40]
 
 Batch 64 (the prompts of benchmarks/gpu.py), bf16, CUDA graphs on. A step whose parts add up to much
 less than the whole is bound by the host (Python bookkeeping, launches, the per-step read of the tokens);
@@ -42,7 +42,7 @@ def device_ms(fn, repeats: int) -> float:
     return median(times)
 
 
-def profile(size: str, compile_decode: bool, steps: int, batch: int = 64) -> dict:
+def profile(size: str, compile_decode: bool, overlap: bool, steps: int, batch: int = 64) -> dict:
     vocab, shp = SIZES[size]
     prompts = make_prompts(vocab, batch)
     with torch.device("cuda"):
@@ -54,6 +54,7 @@ def profile(size: str, compile_decode: bool, steps: int, batch: int = 64) -> dic
         dtype="bfloat16",
         cuda_graphs=True,
         compile_decode=compile_decode,
+        overlap_decode=overlap,
     )
     engine = GenerationEngine(model.to(torch.bfloat16), None, cfg)
     params = SamplingParams(greedy=True, max_new_tokens=2 * steps + 8, stop_at_eos=False)
@@ -84,7 +85,7 @@ def profile(size: str, compile_decode: bool, steps: int, batch: int = 64) -> dic
     }
     host = whole - body - head - sampler
     print(
-        f"{size:14s} compile={compile_decode!s:5s}: step {whole:.3f} ms = graph {body:.3f} + head {head:.3f} + "
+        f"{size:14s} compile={compile_decode!s:5s} overlap={overlap!s:5s}: step {whole:.3f} ms = graph {body:.3f} + head {head:.3f} + "
         f"sampler {sampler:.3f} + the rest {host:.3f} (host-bound share {host / whole:.0%})",
         flush=True,
     )
@@ -95,12 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="150m,qwen2.5-1.5b")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_profile.py needs CUDA")
     for size in args.sizes.split(","):
-        profile(size, not args.no_compile, args.steps)
+        profile(size, not args.no_compile, not args.no_overlap, args.steps)
 
 
 if __name__ == "__main__":

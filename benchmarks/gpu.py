@@ -11,10 +11,12 @@ Sizes: the sweep's 150m (32000-token vocabulary) and the shapes of Qwen2.5-0.5B 
   step, each sequence's cached keys and values) would need, prefill included in the time, so the
   fraction is a lower bound of the decode steps'.
 - the engine replays its decode steps from CUDA graphs (`generation.cuda_graphs`, generation/graphs.py)
-  of the step compiled by torch.compile (`generation.compile_decode`) in both modes; greedy is timed
-  without compile and without graphs too (`gpu_cuda_graphs_speedup_<size>`: the engine's greedy call
-  without graphs over with graphs of the eager step; `gpu_compile_decode_speedup_<size>`: graphs of the
-  eager step over graphs of the compiled one). `--no-cuda-graphs` / `--no-compile` turn them off.
+  of the step compiled by torch.compile (`generation.compile_decode`), each step launched before the
+  host reads the one before (`generation.overlap_decode`), in both modes; greedy is timed with each of
+  these taken off in turn (`gpu_cuda_graphs_speedup_<size>`: greedy without graphs over graphs of the
+  eager step; `gpu_compile_decode_speedup_<size>`: graphs of the eager step over graphs of the compiled
+  one; `gpu_overlap_decode_speedup_<size>`: without overlap over with it). `--no-cuda-graphs`,
+  `--no-compile` and `--no-overlap` turn them off.
 - training (benchmarks/train_throughput.py `compare_train`): one global batch of 16 x 512 tokens in
   micro-batches of 4, fp32 weights and bf16 autocast on both sides, AdamW; model FLOP/s as a fraction of
   the measured bf16 matmul peak.
@@ -139,7 +141,13 @@ def decode_bytes(model_shape: DecoderShape, prompt_lengths: list[int], new_token
 
 
 def generation(
-    size: str, device: torch.device, quick: bool, bandwidth: float, graphs: bool, compiled: bool
+    size: str,
+    device: torch.device,
+    quick: bool,
+    bandwidth: float,
+    graphs: bool,
+    compiled: bool,
+    overlap: bool,
 ) -> dict:
     vocab, shp = SIZES[size]
     batch, new_tokens, repeats = (16, 32, 2) if quick else (64, 128, 3)
@@ -147,13 +155,15 @@ def generation(
     out: dict = {"batch": batch, "new_tokens": new_tokens}
     lengths = [len(p) for p in make_prompts(vocab, batch)]  # the prompts `compare` decodes
     moved = decode_bytes(DecoderShape.of(tiny_config(vocab, **shp)), lengths, new_tokens, dtype.itemsize)
-    # the engine in its fastest configuration (CUDA graphs of the compiled step) in both modes; greedy is
-    # also timed without compile and without graphs, the engines of before. Each mode falls back to the
-    # next simpler configuration where its own fails (the error is printed and kept; the rest still counts)
-    fast = {"cuda_graphs": graphs, "compile_decode": compiled}
+    # the engine in its fastest configuration (CUDA graphs of the compiled step, overlapped with the host)
+    # in both modes; greedy is also timed with each of them taken off in turn, the engines of before.
+    # Each mode falls back to the next simpler configuration where its own fails (the error is printed
+    # and kept; the rest still counts)
+    fast = {"cuda_graphs": graphs, "compile_decode": compiled, "overlap_decode": overlap}
     modes = {
         **({"greedy_no_graphs": {"cuda_graphs": False}} if graphs else {}),
-        **({"greedy_graphs": {"cuda_graphs": True}} if graphs and compiled else {}),
+        **({"greedy_graphs": {"cuda_graphs": True}} if graphs and (compiled or overlap) else {}),
+        **({"greedy_compiled": {**fast, "overlap_decode": False}} if compiled and overlap else {}),
         "sampling": fast,
         "greedy": fast,
     }
@@ -222,6 +232,7 @@ def main() -> None:
     ap.add_argument("--no-train", action="store_true", help="skip the train-step comparison")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="the engine without generation.cuda_graphs")
     ap.add_argument("--no-compile", action="store_true", help="the engine without generation.compile_decode")
+    ap.add_argument("--no-overlap", action="store_true", help="the engine without generation.overlap_decode")
     ap.add_argument("--out", default=None, help="write gpu.json here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -245,7 +256,8 @@ def main() -> None:
         print(f"--- {size}", flush=True)
         graphs = device.type == "cuda" and not args.no_cuda_graphs  # CUDA graphs need CUDA
         compiled = not args.no_compile
-        r = {"size": size, "generate": generation(size, device, args.quick, bandwidth, graphs, compiled)}
+        gen = generation(size, device, args.quick, bandwidth, graphs, compiled, not args.no_overlap)
+        r = {"size": size, "generate": gen}
         if not args.no_train:
             r["train"] = training(size, args.quick, peak)
         results.append(r)
@@ -265,10 +277,16 @@ def main() -> None:
         if "greedy_no_graphs" in g and graphed["engine_cfg"].get("cuda_graphs"):
             before = g["greedy_no_graphs"]["engine_s"]
             print(result_line(f"gpu_cuda_graphs_speedup_{size}", before / graphed["engine_s"], ">=2"))
-        if "greedy_graphs" in g and g["greedy"]["engine_cfg"].get("compile_decode"):
+        compiled_step = g.get("greedy_compiled", g["greedy"])
+        if "greedy_graphs" in g and compiled_step["engine_cfg"].get("compile_decode"):
             before = g["greedy_graphs"]["engine_s"]
             print(
-                result_line(f"gpu_compile_decode_speedup_{size}", before / g["greedy"]["engine_s"], ">=1.5")
+                result_line(f"gpu_compile_decode_speedup_{size}", before / compiled_step["engine_s"], ">=1.5")
+            )
+        if "greedy_compiled" in g and g["greedy"]["engine_cfg"].get("overlap_decode"):
+            before = g["greedy_compiled"]["engine_s"]
+            print(
+                result_line(f"gpu_overlap_decode_speedup_{size}", before / g["greedy"]["engine_s"], ">=1.1")
             )
         if "train" in r:
             print(result_line(f"gpu_train_vs_handwritten_{size}", r["train"]["speedup"], ">=0.9"))
