@@ -538,14 +538,66 @@ def test_math_verify_failures_are_not_zero(math_task, monkeypatch):
     assert out.failed == [True, True] and "TimeoutException" in out.errors[0]
 
 
-def test_math_verify_off_the_main_thread(math_task):
+def off_main_thread(fn):
     results = []
-    thread = threading.Thread(
-        target=lambda: results.append(math_task.reward(["p"], ["\\boxed{0.5}"], [{"answer": "1/2"}]))
-    )
+    thread = threading.Thread(target=lambda: results.append(fn()))
     thread.start()
-    thread.join(timeout=30)
-    assert results and results[0].rewards == [1.0] and results[0].failed == [False]
+    thread.join(timeout=60)
+    assert results, "the call did not return"
+    return results[0]
+
+
+def test_math_verify_off_the_main_thread(math_task):
+    """Off the main thread math-verify runs in a child process, where its timeouts work: the same rewards
+    and failures as in the main thread, and a completion whose comparison would compute a number of
+    hundreds of millions of digits (unbounded in a thread, and holding the GIL: the whole process froze)
+    fails with math-verify's timeout."""
+    completions = ["so \\boxed{1/2}", "\\boxed{1/3}", "\\boxed{4}", "\\boxed{1}", "\\boxed{9^{9^{9}}}"]
+    metadata = [{"answer": "0.5"}, {"answer": "0.5"}, {"answer": "4"}, {"answer": "\\frac{"}, {"answer": "5"}]
+    here = math_task.reward(["p"] * 4, completions[:4], metadata[:4])
+    child = off_main_thread(lambda: math_task.reward(["p"] * 5, completions, metadata))
+    assert child.rewards[:3] == here.rewards[:3] == [1.0, 0.0, 1.0]
+    assert child.failed == here.failed + [True] and child.errors[3] == here.errors[3]
+    assert "cannot parse the gold answer" in child.errors[3] and "Timeout" in child.errors[4]
+    missing = off_main_thread(lambda: math_task.reward(["p"] * 2, ["\\boxed{4}"] * 2, [{}, {"answer": "4"}]))
+    assert missing.failed == [True, False] and missing.errors[0] == "KeyError: 'answer'"
+
+
+FAKE_CHILD = """
+import json, os, sys, time
+print("ready", flush=True)
+for line in sys.stdin:
+    c = json.loads(line)["completion"]
+    if c == "hang":
+        time.sleep(600)
+    if c == "die":
+        os._exit(3)
+    print(json.dumps({"reward": 1.0, "error": None}), flush=True)
+"""
+
+
+def test_math_child_that_hangs_or_dies_fails_its_sample_alone(monkeypatch):
+    """The watchdog of the scoring child: a sample it does not answer within the bound (a computation
+    its signal timeout cannot interrupt) or that kills it is marked failed with the reason; the child is
+    killed and a fresh one scores the rest. A child that cannot start is an error, not failed samples."""
+    from posttrain.tasks import math_child
+
+    monkeypatch.setattr(math_child, "SLACK_S", 0.0)
+    child = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", FAKE_CHILD])
+    pairs = [("a", "1"), ("hang", "1"), ("b", "1"), ("die", "1"), ("c", "1")]
+    first_pid = None
+    out = child.score(pairs[:1])
+    first_pid = child._proc.pid
+    out += child.score(pairs[1:])
+    assert [r for r, _ in out][::2] == [1.0, 1.0, 1.0]
+    assert "no answer within 3 s" in out[1][1] and "killed" in out[1][1]
+    assert out[3][1] == "math-verify's process died (exit code 3)"
+    assert child.kills == 1 and child._proc.pid != first_pid
+    child.close()
+    assert child._proc is None
+    broken = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", "import sys; sys.exit(4)"])
+    with pytest.raises(RuntimeError, match=r"scoring process exited \(code 4\).*posttrain\[math\]"):
+        broken.score([("a", "1")])
 
 
 # ---------------------------------------------------------------- task config

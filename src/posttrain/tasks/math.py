@@ -7,8 +7,9 @@ answer at all. Where the checker itself breaks (an exception, a timeout, a gold 
 sample is marked failed instead of being scored 0.
 
 math-verify bounds its work with `signal.alarm`, which only works in the main thread. Off the main thread
-(e.g. inside a Ray actor's worker thread) this reward calls it with its timeouts switched off and warns
-once; run the reward in the main thread where unbounded sympy work is a concern.
+(the async rollout worker scores on a daemon thread) the reward runs in a watched child process instead,
+where the timeouts work and a sample the signal cannot stop is killed and marked failed
+(tasks/math_child.py): a completion like `\\boxed{9^{9^{9}}}` would otherwise freeze the whole process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import Field
 
 from posttrain.logging import get_logger
 from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, answer_text, build_splits
+from posttrain.tasks.math_child import MathVerifyChild
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
@@ -37,7 +39,10 @@ class MathTaskConfig(TaskConfigBase):
     name: Literal["math"] = "math"
     dataset: DatasetConfig = Field(description="Where the problems and gold answers are.")
     timeout_seconds: int = Field(
-        5, ge=1, description="Bound on each math-verify parse / compare (main thread only, see module doc)."
+        5,
+        ge=1,
+        description="Bound in seconds on each math-verify parse / compare (off the main thread: in a "
+        "child process, killed past three of these, see tasks/math_child.py).",
     )
     float_rounding: int = Field(6, ge=0, description="Decimal places math-verify rounds floats to.")
     prompt_format: PromptFormatConfig = Field(
@@ -64,17 +69,30 @@ class MathVerifyReward:
         self.timeout_seconds = timeout_seconds
         self.float_rounding = float_rounding
         self._gold: dict[tuple[str, int | None], list[Any]] = {}
-        self._warned_thread = False
+        self._child: MathVerifyChild | None = None  # scores off the main thread (started on first use)
 
-    def _timeout(self) -> int | None:
-        if threading.current_thread() is threading.main_thread():
-            return self.timeout_seconds
-        if not self._warned_thread:
-            logger.warning(
-                "math-verify runs without its timeout here: signal-based timeouts need the main thread"
-            )
-            self._warned_thread = True
-        return None
+    def _score_here(self, completion: str, meta: dict[str, Any]) -> tuple[float, str | None]:
+        try:
+            return self.score_one(completion, meta["answer"], self.timeout_seconds), None
+        except (Exception, self._timeout_exc) as exc:
+            return float("nan"), f"{type(exc).__name__}: {exc}"
+
+    def _score_in_child(
+        self, completions: list[str], metadata: list[dict[str, Any]]
+    ) -> list[tuple[float, str | None]]:
+        """Scores from the child process (tasks/math_child.py); a row without a usable answer fails here."""
+        if self._child is None:
+            self._child = MathVerifyChild(self.timeout_seconds, self.float_rounding)
+        scored: list[tuple[float, str | None] | None] = []
+        pairs = []
+        for completion, meta in zip(completions, metadata):
+            try:
+                pairs.append((completion, answer_text(meta["answer"])))
+                scored.append(None)
+            except Exception as exc:
+                scored.append((float("nan"), f"{type(exc).__name__}: {exc}"))
+        from_child = iter(self._child.score(pairs))
+        return [s if s is not None else next(from_child) for s in scored]
 
     def _parse_gold(self, answer: str, timeout: int | None) -> list[Any]:
         key = (answer, timeout)
@@ -101,13 +119,12 @@ class MathVerifyReward:
     def __call__(
         self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
     ) -> RewardResult:
-        timeout = self._timeout()
+        if threading.current_thread() is not threading.main_thread():
+            scored = self._score_in_child(completions, metadata)  # signal timeouts need a main thread
+        else:
+            scored = [self._score_here(c, meta) for c, meta in zip(completions, metadata)]
         result = RewardResult(rewards=[], failed=[], errors=[])
-        for completion, meta in zip(completions, metadata):
-            try:
-                reward, error = self.score_one(completion, meta["answer"], timeout), None
-            except (Exception, self._timeout_exc) as exc:
-                reward, error = float("nan"), f"{type(exc).__name__}: {exc}"
+        for reward, error in scored:
             result.rewards.append(reward)
             result.failed.append(error is not None)
             result.errors.append(error)
