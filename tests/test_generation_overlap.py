@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from posttrain.generation import decode
 from posttrain.generation.engine import GenerationEngine
@@ -162,7 +163,78 @@ def test_overlap_on_the_gpu_with_graphs_of_the_compiled_step():
     plain = make_engine(False, device="cuda")
     fast = make_engine(True, device="cuda", cuda_graphs=True, compile_decode=True)
     assert len(fast._host_buffers) == 2 and all(b.is_pinned() for b in fast._host_buffers)
+    assert fast._host_buffers[0][:3].is_contiguous()  # a strided destination would copy via pageable memory
     assert_same(fast.generate(prompts, params), plain.generate(prompts, params), atol=1e-4)
     assert_same(
         fast.generate(prompts[::-1], params[::-1]), plain.generate(prompts[::-1], params[::-1]), atol=1e-4
     )
+
+
+def test_no_overlap_where_a_finished_row_would_change_the_others():
+    """A rotary embedding that follows the longest position a step feeds (dynamic NTK, longrope): a
+    finished request's extra step would change the frequencies of the rows beside it, so such models
+    decode without overlap (a request stopping at 16, past the switch, beside one that goes on)."""
+    config = build_tiny_model(VOCAB, seed=3).config
+    config.max_position_embeddings = 16
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 16.0, "rope_theta": 10000.0}
+
+    def engine(overlap: bool) -> GenerationEngine:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        return GenerationEngine(
+            model, TOK, GenerationConfig(max_model_len=MAX_LEN, max_num_seqs=4, overlap_decode=overlap)
+        )
+
+    plain, asked = engine(False), engine(True)
+    assert asked._overlap is False and make_engine(True)._overlap is True
+    prompts = [list(range(4, 10)), list(range(10, 15))]
+    params = [
+        SamplingParams(max_new_tokens=11, seed=3, stop_at_eos=False),
+        SamplingParams(max_new_tokens=14, seed=4, stop_at_eos=False),
+    ]
+    assert_same(asked.generate(prompts, params), plain.generate(prompts, params), atol=1e-6)
+
+
+def test_a_failed_session_save_finishes_its_requests(caplog):
+    """Keeping a finished session's keys/values is a cache: where it fails (out of memory), the request
+    still leaves its slot and finishes (it stayed there and drew one token too many) and the next turn
+    prefills whole."""
+    prompts, params = workload()
+    keys = [f"s{i}" for i in range(len(prompts))]
+    engine = make_engine(True)
+
+    def failing(slots):
+        raise torch.OutOfMemoryError("no memory for the session")
+
+    engine._save_sessions = failing
+    assert_same(engine.generate(prompts, params, sessions=keys), make_engine(False).generate(prompts, params))
+    assert "could not keep the finished sessions" in caplog.text
+
+
+def test_a_step_in_flight_that_cannot_be_read_takes_its_requests_out(monkeypatch):
+    """When a step fails and the one in flight cannot be read either, its requests leave their slots
+    (the device is a token ahead of them); the engine then serves new requests as a fresh one does."""
+    prompts, params = workload()
+    engine = make_engine(True)
+    real_sample, real_read, calls = decode.sample, decode.Drawn.read, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device error")
+        return real_sample(*args)
+
+    def unreadable(self):
+        if len(calls) >= 4:
+            raise RuntimeError("cannot read")
+        return real_read(self)
+
+    monkeypatch.setattr(decode, "sample", failing)
+    monkeypatch.setattr(decode.Drawn, "read", unreadable)
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.generate(prompts[:5], params[:5])
+    assert engine._pending is None and engine.num_running == 0
+    monkeypatch.setattr(decode, "sample", real_sample)
+    monkeypatch.setattr(decode.Drawn, "read", real_read)
+    list(engine.iter_results())  # what finished before the failure
+    assert_same(engine.generate(prompts, params), make_engine(False).generate(prompts, params))

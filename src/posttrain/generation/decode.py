@@ -19,7 +19,12 @@ bookkeeping while t+1 runs. What the host learns one step late:
 
 Each request draws the same tokens either way (its draws depend on its own stream and counter, not on
 the rows beside it; tests/test_generation_overlap.py). Engines that record MoE routing read it per step
-and do not overlap.
+and do not overlap, nor do models whose rotary embedding follows the longest position a step feeds
+(`dynamic`, `longrope`): there a finished request's extra step would change the other rows' frequencies.
+What still makes the host wait for the device: a top-k / top-p row (the candidate set grows until the
+nucleus fits, a host check per round), and admission (it reads the step in flight first). Small host
+values sent to the device (row parameters after the active set changes, slot moves) go from pinned
+memory, so they do not.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 from posttrain.generation.requests import Request
 from posttrain.generation.sampler import RowParams, sample
 from posttrain.logging import get_logger
+from posttrain.models.rope import length_dependent
 
 log = get_logger(__name__)
 
@@ -42,7 +48,7 @@ class Drawn:
     """Tokens and logprobs drawn for `requests` (row i for requests[i]), on their way to the host."""
 
     requests: list[Request]
-    values: torch.Tensor  # [2, n] float64 on the host: tokens, logprobs
+    values: torch.Tensor  # [n, 2] float64 on the host: (token, logprob) per row
     ready: torch.cuda.Event | None  # set when the copy runs behind the device's queue
 
     def read(self) -> list[list[float]]:
@@ -66,11 +72,19 @@ class DecodeSteps:
 
     def _build_decode(self) -> None:
         self._pending: Drawn | None = None  # the launched step whose draws the host has not read
-        self._overlap = bool(self.cfg.overlap_decode) and self._routing is None
-        self._host_buffers: list[torch.Tensor] = []  # pinned, alternating (CUDA overlap only)
+        # not with MoE routing (read per step) or a rotary embedding that follows the longest position a
+        # step feeds (a finished request's extra step would change the other rows' frequencies)
+        self._overlap = (
+            bool(self.cfg.overlap_decode)
+            and self._routing is None
+            and not length_dependent(self.model.config)
+        )
+        # pinned, alternating (CUDA overlap only); [slots, 2] so that the first n rows are contiguous:
+        # a copy into a strided view goes through a pageable temporary and waits for the device
+        self._host_buffers: list[torch.Tensor] = []
         if self._overlap and self.device.type == "cuda":
             self._host_buffers = [
-                torch.empty(2, self.cfg.max_num_seqs, dtype=torch.float64, pin_memory=True) for _ in range(2)
+                torch.empty(self.cfg.max_num_seqs, 2, dtype=torch.float64, pin_memory=True) for _ in range(2)
             ]
 
     def _decode(self) -> list[Request]:
@@ -93,12 +107,16 @@ class DecodeSteps:
 
     def _settle_after_failure(self) -> list[Request]:
         """`_settle` when a step failed: its requests continue from what the step in flight drew (the
-        device's buffers already hold it); an error reading it is logged (the step's error is the one
-        raised) and the draws are dropped."""
+        device's buffers already hold it). Where that read fails too, the step's requests are taken out
+        of their slots (their device state is a token ahead of what they hold; they are lost, the step's
+        error is raised) and the read's error is logged."""
+        pending = self._pending
         try:
             return self._settle()
-        except Exception as e:
+        except BaseException as e:
             log.error("could not read the decode step in flight after a failed step: %r", e)
+            gone = {id(r) for r in pending.requests}
+            self._release([i for i, r in enumerate(self._active) if id(r) in gone])
             return []
 
     def _launch_decode(self) -> Drawn:
@@ -137,11 +155,11 @@ class DecodeSteps:
     ) -> Drawn:
         """The draws of `requests` on their way to the host: with overlap on a GPU (`to_pinned`), copied
         into the next pinned buffer behind an event; otherwise read at once (one device->host copy)."""
-        values = torch.stack([tokens.double(), logprobs.double()])
+        values = torch.stack([tokens.double(), logprobs.double()], dim=1)
         if not (to_pinned and self._host_buffers):
             return Drawn(requests, values.cpu(), None)
         self._host_buffers.reverse()  # the other one may still be read by the step before
-        host = self._host_buffers[0][:, : len(requests)]
+        host = self._host_buffers[0][: len(requests)]
         host.copy_(values, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
@@ -153,7 +171,7 @@ class DecodeSteps:
         host = drawn.read()
         slot_of = {id(r): i for i, r in enumerate(self._active)}
         ended = []
-        for req, tok, lp in zip(drawn.requests, host[0], host[1]):
+        for req, (tok, lp) in zip(drawn.requests, host):
             slot = slot_of.get(id(req))
             if slot is None:
                 continue
@@ -162,6 +180,12 @@ class DecodeSteps:
                 ended.append(slot)
         finished = [self._active[s] for s in ended]
         if ended:
-            self._save_sessions(ended)
+            try:
+                self._save_sessions(ended)
+            except Exception as e:  # a cache: the sessions' next turns prefill whole; their requests finish
+                log.warning(
+                    "could not keep the finished sessions' keys/values (%r); their next turns prefill whole",
+                    e,
+                )
             self._release(ended)
         return finished

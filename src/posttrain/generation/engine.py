@@ -56,7 +56,7 @@ from posttrain.generation.lm_head import LMHead, plain_head_body, sequence_logpr
 from posttrain.generation.params import EngineStateError, GenerationConfig, GenerationResult, SamplingParams
 from posttrain.generation.requests import Request, check_prompt, eos_token_ids, stop_ids
 from posttrain.generation.routing import RoutingLog
-from posttrain.generation.sampler import RowParams, mix64, request_key, sample
+from posttrain.generation.sampler import RowParams, mix64, request_key, sample, to_device
 from posttrain.generation.sessions import EngineSessions, PrefillBudget, prefill_groups
 from posttrain.generation.stepper import AsyncStepping
 from posttrain.generation.weights import EngineWeights
@@ -325,7 +325,8 @@ class GenerationEngine(AsyncStepping, DecodeSteps, EngineWeights, EngineSessions
         streams: list[int] | None = None,
     ) -> list[GenerationResult]:
         """Generate a completion for every prompt (blocking; prompt k of session `sessions[k]`, drawing
-        from random stream k of its seed, or `streams[k]`); results in prompt order."""
+        from random stream k of its seed, or `streams[k]`); results in prompt order. When a step fails,
+        the error is raised and every result already finished waits for `step()` / `iter_results()`."""
         self._futures = {k: f for k, f in self._futures.items() if not (f.done() or f.get_loop().is_closed())}
         if self._futures:
             raise EngineStateError(
@@ -516,8 +517,8 @@ class GenerationEngine(AsyncStepping, DecodeSteps, EngineWeights, EngineSessions
         keep = [i for i in range(len(self._active)) if i not in gone]
         moved = [(dst, src) for dst, src in enumerate(keep) if dst != src]
         if moved:
-            dst = torch.tensor([d for d, _ in moved], device=self.device)
-            src = torch.tensor([s for _, s in moved], device=self.device)
+            dst = to_device([d for d, _ in moved], torch.long, self.device)  # no wait for a step in flight
+            src = to_device([s for _, s in moved], torch.long, self.device)
             self.cache.copy_slots(src, dst, max(self._active[s].position for _, s in moved) + 1)
             for t in (self._last, self._pos, self._count):
                 t[dst] = t[src]

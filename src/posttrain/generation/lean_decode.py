@@ -218,11 +218,12 @@ def compiled(decoder: LeanDecoder) -> Callable[..., torch.Tensor]:
     """`decoder`'s step compiled by torch.compile (inductor; `generation.compile_decode`): the norms, the
     rotary embedding, the attention's scale-mask-softmax and the activation become a few fused kernels
     per layer around the matmuls, where the plain path launches about forty. The first call of a shape
-    compiles (seconds to a minute); the second distinct shape compiles a dynamic-shape variant that
-    serves every later one. Each engine is a variant of its own (dynamo guards on the decoder object),
-    so dynamo's recompile limit (8 by default, past which it silently runs eagerly) is raised to at
-    least COMPILE_RECOMPILE_LIMIT. Parameters are inputs of the compiled graph, not constants: weight
-    loads, in place or re-pointed, are seen as the eager step sees them."""
+    compiles (seconds to a minute); later shapes compile variants (a dynamic attended length, dynamic
+    rows, one row alone: about four for a mixed workload), which every engine of the same model class
+    in the process shares. Dynamo's recompile limit (8 by default, past which it silently runs eagerly)
+    is raised, for the whole process, to at least COMPILE_RECOMPILE_LIMIT. Parameters are inputs of the
+    compiled graph, not constants: weight loads, in place or re-pointed, are seen as the eager step
+    sees them."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
     return torch.compile(decoder.__call__, dynamic=None)

@@ -79,6 +79,16 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return _shr(z, 11).double() * (2.0**-53)
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small tensor of Python values on `device`. On CUDA it is copied from pinned memory without
+    waiting: a copy from pageable memory waits for every kernel queued before it, which would stall
+    the host behind a decode step in flight (generation/decode.py)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class RowParams:
     """Sampling parameters of the rows of a batch, as tensors on the engine's device."""
@@ -106,15 +116,15 @@ class RowParams:
         if any(p.top_p < 1.0 and k == vocab for k, p in zip(top_k, params)):
             cand = max(cand, _NUCLEUS_START)
         return RowParams(
-            temperature=torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=device),
+            temperature=to_device([[p.temperature] for p in params], torch.float32, device),
             unit_temperature=all(p.temperature == 1.0 for p in params),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            keys=torch.tensor(keys, dtype=torch.long, device=device),
+            top_k=to_device(top_k, torch.long, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
+            keys=to_device(keys, torch.long, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            filtered=torch.tensor(filt, dtype=torch.bool, device=device),
+            filtered=to_device(filt, torch.bool, device),
             any_filtered=any(f and not g for f, g in zip(filt, greedy)),
             all_filtered=all(filt),
             candidates=min(max(cand, 1), vocab),

@@ -42,6 +42,11 @@ def _is_length_dependent(rope_type) -> bool:
     return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
 
+def length_dependent(config) -> bool:
+    """Whether `config` names a rotary embedding whose frequencies follow the sequence length."""
+    return any(_is_length_dependent(t) for t in _config_rope_types(config))
+
+
 def _config_rope_types(config) -> set:
     """Every rope type a config names (`rope_parameters` in transformers 5, `rope_scaling` before; per
     layer type where the config nests them)."""
@@ -118,7 +123,7 @@ def length_rotaries(model: torch.nn.Module) -> tuple[LengthRope, ...]:
     models: their config names no such rope type, and no module is visited). A config that names one
     whose module posttrain cannot drive is refused (ValueError)."""
     config = getattr(model, "config", None)
-    if not any(_is_length_dependent(t) for t in _config_rope_types(config)):
+    if not length_dependent(config):
         return ()
     found = _FOUND.get(model)
     if found is None:
