@@ -14,7 +14,6 @@ where the timeouts work and a sample the signal cannot stop is killed and marked
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Literal
 
@@ -22,15 +21,13 @@ from pydantic import Field
 
 from posttrain.logging import get_logger
 from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, answer_text, build_splits
-from posttrain.tasks.math_child import MathVerifyChild
+from posttrain.tasks.math_child import MathVerifyChild, MathVerifyScorer
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
 logger = get_logger(__name__)
 
 DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
-_GOLD_CACHE_SIZE = 100_000
-_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
 class MathTaskConfig(TaskConfigBase):
@@ -50,31 +47,20 @@ class MathTaskConfig(TaskConfigBase):
     )
 
 
-def _import_math_verify() -> Any:
-    try:
-        import math_verify
-        from math_verify.errors import TimeoutException
-    except ImportError as exc:
-        raise ValueError(
-            "the math task needs math-verify: pip install 'posttrain[math]' (or pip install math-verify)"
-        ) from exc
-    return math_verify, TimeoutException
-
-
 class MathVerifyReward:
     """Reward 1.0 if math-verify finds the completion's answer equivalent to `metadata['answer']`, else 0.0."""
 
     def __init__(self, timeout_seconds: int = 5, float_rounding: int = 6) -> None:
-        self._mv, self._timeout_exc = _import_math_verify()
+        self._scorer = MathVerifyScorer(timeout_seconds, float_rounding)  # in this process (main thread)
+        self._mv = self._scorer.mv
         self.timeout_seconds = timeout_seconds
         self.float_rounding = float_rounding
-        self._gold: dict[tuple[str, int | None], list[Any]] = {}
         self._child: MathVerifyChild | None = None  # scores off the main thread (started on first use)
 
     def _score_here(self, completion: str, meta: dict[str, Any]) -> tuple[float, str | None]:
         try:
-            return self.score_one(completion, meta["answer"], self.timeout_seconds), None
-        except (Exception, self._timeout_exc) as exc:
+            return self._scorer.score_one(completion, meta["answer"]), None
+        except (Exception, self._scorer.timeout_exc) as exc:
             return float("nan"), f"{type(exc).__name__}: {exc}"
 
     def _score_in_child(
@@ -93,28 +79,6 @@ class MathVerifyReward:
                 scored.append((float("nan"), f"{type(exc).__name__}: {exc}"))
         from_child = iter(self._child.score(pairs))
         return [s if s is not None else next(from_child) for s in scored]
-
-    def _parse_gold(self, answer: str, timeout: int | None) -> list[Any]:
-        key = (answer, timeout)
-        if key not in self._gold:
-            # written for a LaTeX reader already: an unescaped '$' (not a currency sign '\$') or \boxed{}
-            text = answer if _UNESCAPED_DOLLAR.search(answer) or "\\boxed" in answer else f"${answer}$"
-            parsed = self._mv.parse(text, parsing_timeout=timeout, raise_on_error=True)
-            if all(isinstance(x, str) for x in parsed):  # empty, or only the unparsed text as a fallback
-                raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
-            if len(self._gold) >= _GOLD_CACHE_SIZE:
-                self._gold.clear()
-            self._gold[key] = parsed
-        return self._gold[key]
-
-    def score_one(self, completion: str, answer: Any, timeout: int | None) -> float:
-        """1.0 or 0.0; raises when math-verify fails or times out."""
-        gold = self._parse_gold(answer_text(answer), timeout)
-        pred = self._mv.parse(completion, parsing_timeout=timeout, raise_on_error=True)
-        ok = self._mv.verify(
-            gold, pred, float_rounding=self.float_rounding, timeout_seconds=timeout, raise_on_error=True
-        )
-        return 1.0 if ok else 0.0
 
     def __call__(
         self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]

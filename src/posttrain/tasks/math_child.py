@@ -1,4 +1,5 @@
-"""math-verify in a child process, for rewards computed off the main thread.
+"""math-verify's scoring (`MathVerifyScorer`), and the same in a child process for rewards computed off
+the main thread (`MathVerifyChild`).
 
 math-verify bounds its work with `signal.alarm`, which only the main thread can use. Off it (the async
 rollout worker scores on a daemon thread) it would run unbounded, and a completion such as
@@ -23,15 +24,68 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import select
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from typing import Any
+
+from posttrain.tasks.datasets import answer_text
 
 STARTUP_S = 120.0  # for the child to import math-verify (and sympy) and say it is ready
 SLACK_S = 5.0  # past the child's own timeouts, before this side gives up on a sample
+
+_GOLD_CACHE_SIZE = 100_000
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
+def import_math_verify() -> tuple[Any, type]:
+    """The math_verify module and its timeout exception (ValueError naming the install otherwise)."""
+    try:
+        import math_verify
+        from math_verify.errors import TimeoutException
+    except ImportError as exc:
+        raise ValueError(
+            "the math task needs math-verify: pip install 'posttrain[math]' (or pip install math-verify)"
+        ) from exc
+    return math_verify, TimeoutException
+
+
+class MathVerifyScorer:
+    """math-verify's verdict on one completion against a gold answer, each parse and the comparison
+    bounded by `timeout_seconds` (signal-based: in a main thread only). Gold answers are parsed once."""
+
+    def __init__(self, timeout_seconds: int, float_rounding: int) -> None:
+        self.mv, self.timeout_exc = import_math_verify()
+        self.timeout_seconds = timeout_seconds
+        self.float_rounding = float_rounding
+        self._gold: dict[str, list[Any]] = {}
+
+    def _parse_gold(self, answer: str) -> list[Any]:
+        if answer not in self._gold:
+            # written for a LaTeX reader already: an unescaped '$' (not a currency sign '\$') or \boxed{}
+            text = answer if _UNESCAPED_DOLLAR.search(answer) or "\\boxed" in answer else f"${answer}$"
+            parsed = self.mv.parse(text, parsing_timeout=self.timeout_seconds, raise_on_error=True)
+            if all(isinstance(x, str) for x in parsed):  # empty, or only the unparsed text as a fallback
+                raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
+            if len(self._gold) >= _GOLD_CACHE_SIZE:
+                self._gold.clear()
+            self._gold[answer] = parsed
+        return self._gold[answer]
+
+    def score_one(self, completion: str, answer: Any) -> float:
+        """1.0 or 0.0; raises when math-verify fails or times out."""
+        gold = self._parse_gold(answer_text(answer))
+        timeout = self.timeout_seconds
+        pred = self.mv.parse(completion, parsing_timeout=timeout, raise_on_error=True)
+        ok = self.mv.verify(
+            gold, pred, float_rounding=self.float_rounding, timeout_seconds=timeout, raise_on_error=True
+        )
+        return 1.0 if ok else 0.0
+
 
 _LIVE: weakref.WeakSet[MathVerifyChild] = weakref.WeakSet()
 
@@ -124,21 +178,16 @@ class MathVerifyChild:
 
 
 def main(argv: list[str]) -> None:
-    timeout, rounding = int(argv[0]), int(argv[1])
+    """The child's side: score each sample read from stdin in this (main) thread, answer on stdout."""
     out, sys.stdout = sys.stdout, sys.stderr  # the protocol alone on stdout; anything printed goes to stderr
-    from posttrain.tasks.math import MathVerifyReward
-
-    reward = MathVerifyReward(timeout, rounding)
+    scorer = MathVerifyScorer(int(argv[0]), int(argv[1]))
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            result = {
-                "reward": reward.score_one(request["completion"], request["answer"], timeout),
-                "error": None,
-            }
-        except (Exception, reward._timeout_exc) as exc:
+            result = {"reward": scorer.score_one(request["completion"], request["answer"]), "error": None}
+        except (Exception, scorer.timeout_exc) as exc:
             result = {"reward": None, "error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(result) + "\n")
         out.flush()
