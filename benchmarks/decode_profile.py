@@ -66,11 +66,10 @@ def profile(size: str, compile_decode: bool, overlap: bool, steps: int, batch: i
     torch.cuda.synchronize()
     whole = device_ms(lambda: engine.step(), steps)  # ends with the host's read of the tokens
     n = engine.num_running
-    length = max(r.position for r in engine._active) + 1
-    visible = engine._arange[:length][None, :] <= engine._pos[:n, None]
+    length = int(engine._pos[:n].max()) + 1
     with torch.inference_mode():
-        hidden = engine._graphs.run(n, visible)
-        body = device_ms(lambda: engine._graphs.run(n, visible), steps)
+        hidden = engine._graphs.run(n, length)
+        body = device_ms(lambda: engine._graphs.run(n, length), steps)
         head = device_ms(lambda: engine._head(hidden), steps)
         logits = engine._head(hidden)
         rows = engine._rows

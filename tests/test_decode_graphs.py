@@ -60,9 +60,7 @@ def test_bucketed_steps_sample_what_plain_steps_sample(monkeypatch, n):
     expected = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, cfg).generate(prompts, params)
     engine = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, cfg)
     assert engine._lean is not None
-    engine._graphs = bucketed = DecodeGraphs(
-        engine._graph_step, engine._pos, engine.max_len, engine.dtype, False
-    )
+    engine._graphs = bucketed = DecodeGraphs(engine._graph_step, engine._pos, engine.max_len, False)
     seen = []
     step = engine._graph_step
     engine._graph_step = lambda rows, length: (seen.append((rows, length)), step(rows, length))[1]
@@ -81,7 +79,7 @@ def test_graphs_are_dropped_when_parameters_or_the_cache_move():
     re-points parameters (sharing a trainer's tensors, or leaving them) drop them; a copy load, which
     writes in place, keeps them."""
     engine = GenerationEngine(build_tiny_model(VOCAB, seed=0), TOK, GenerationConfig(max_num_seqs=4))
-    engine._graphs = DecodeGraphs(engine._graph_step, engine._pos, engine.max_len, engine.dtype, False)
+    engine._graphs = DecodeGraphs(engine._graph_step, engine._pos, engine.max_len, False)
     drops = []
     engine._graphs.drop = lambda: drops.append(1)
     weights = build_tiny_model(VOCAB, seed=1).state_dict()

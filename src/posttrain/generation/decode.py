@@ -129,16 +129,22 @@ class DecodeSteps:
         # the host's positions lag the device's by the step in flight
         length = max(r.position for r in self._active) + 1 + (self._pending is not None)
         pos = self._pos[:n]
-        visible = self._arange[:length][None, :] <= pos[:, None]
         if self._graphs is not None and self.cache.keys[0] is not None:
-            logits = self._head(self._graphs.run(n, visible))
-        elif self._lean is not None and self.cache.keys[0] is not None:
+            logits = self._head(self._graphs.run(n, length))  # the mask is built in the graph
+            return self._sampled(logits)
+        visible = self._arange[:length][None, :] <= pos[:, None]
+        if self._lean is not None and self.cache.keys[0] is not None:
             logits = self._head(self._decoder(self._last[:n], pos, self._masks.decode(visible), self.cache))
         else:
             mask = self._masks.decode(visible)
             self.cache.plan_decode(n, pos, length)  # transformers' attention writes through cache.update
             with self._routing.decode(self._active) if self._routing else contextlib.nullcontext():
                 logits = self._decode_logits(n, pos, mask)
+        return self._sampled(logits)
+
+    def _sampled(self, logits: torch.Tensor) -> Drawn:
+        """Draw every active slot's next token from `logits`, advance the slots, send the draws home."""
+        n = len(self._active)
         tokens, logprobs = sample(logits, self._rows, self._count[:n])
         self._last[:n] = tokens
         self._pos[:n] += 1

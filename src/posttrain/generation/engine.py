@@ -139,13 +139,15 @@ class GenerationEngine(AsyncStepping, DecodeSteps, EngineWeights, EngineSessions
         self._rows: RowParams | None = None
         self._graphs = None
         if self.cfg.cuda_graphs:
-            self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, self.dtype, capture=True)
+            self._graphs = DecodeGraphs(self._graph_step, self._pos, self.max_len, capture=True)
         self._build_decode()  # the step in flight (generation/decode.py)
 
     def _graph_step(self, rows: int, length: int) -> torch.Tensor:
-        """The decode forward a graph captures: hidden states of slots 0..rows-1 from the engine's buffers."""
-        mask = self._graphs.mask[:rows, :, :, :length]
-        return self._decoder(self._last[:rows], self._pos[:rows], mask, self.cache)
+        """The decode forward a graph captures: hidden states of slots 0..rows-1 from the engine's buffers,
+        each attending over the first `length` positions up to its own (the mask built here too)."""
+        pos = self._pos[:rows]
+        mask = self._masks.decode(self._arange[:length][None, :] <= pos[:, None])
+        return self._decoder(self._last[:rows], pos, mask, self.cache)
 
     def _build_queues(self) -> None:
         self._waiting: deque[Request] = deque()

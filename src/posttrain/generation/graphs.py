@@ -16,8 +16,9 @@ addresses of the parameters and of the KV cache: the engine drops them (`drop`) 
 cache is freed, parameters may move to the host) and when a load re-points parameters (sharing a
 trainer's tensors, or leaving them); copy loads write in place and keep them.
 
-In the graph: the lean decoder's forward (generation/lean_decode.py), from the engine's own buffers
-(last tokens, positions) and this object's mask buffer to the final hidden states [rows, H]. The LM head
+In the graph: the attention mask, built from the engine's positions buffer, and the lean decoder's
+forward (generation/lean_decode.py), from the engine's own buffers (last tokens, positions) to the
+final hidden states [rows, H]: the host's work per step is choosing the bucket and the replay. The LM head
 (one matmul, whose [rows, vocabulary] output would otherwise be kept per graph) and the sampler run
 after it, eagerly. What the forward reads as Python values is fixed at capture: the LoRA adapters that
 are active and their scaling (nothing in the engine changes them; a load of adapter weights writes in
@@ -80,16 +81,16 @@ class DecodeGraphs:
     """Bucketed decode steps, replayed from CUDA graphs (or run eagerly with `capture=False`).
 
     `step(rows, length)` is the engine's forward from its buffers: hidden states [rows, H] of the tokens
-    `last[:rows]` at `positions[:rows]` under `self.mask[:rows, :, :, :length]`. `positions` is the
-    engine's tensor of slot positions: `run` zeroes the padding rows' entries (free slots, written
-    again when a prompt is admitted)."""
+    `last[:rows]` at `positions[:rows]`, each row attending over the positions up to its own among the
+    first `length` (its mask is built inside the step, from `positions`: no host work per step).
+    `positions` is the engine's tensor of slot positions: `run` zeroes the padding rows' entries (free
+    slots, written again when a prompt is admitted), so each sees its column 0 alone."""
 
     def __init__(
         self,
         step: Callable[[int, int], torch.Tensor],
         positions: torch.Tensor,
         max_len: int,
-        dtype: torch.dtype,
         capture: bool,
     ) -> None:
         if capture and positions.device.type != "cuda":
@@ -101,8 +102,6 @@ class DecodeGraphs:
         self.positions = positions
         self.max_rows, self.max_len = positions.shape[0], max_len
         self.capture = capture
-        self.floor = torch.finfo(dtype).min  # the additive mask's "hidden"
-        self.mask = torch.zeros(self.max_rows, 1, 1, max_len, dtype=dtype, device=positions.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # + output
         self._pool = None
         self.num_captured = 0  # graphs captured over the engine's life (a drop does not reset it)
@@ -110,20 +109,16 @@ class DecodeGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, rows: int, visible: torch.Tensor) -> torch.Tensor:
+    def run(self, rows: int, length: int) -> torch.Tensor:
         """The step's output for the first `rows` slots (a view of the graph's buffer, valid until the
-        next step); `visible` [rows, L] marks the positions each row attends over (L = the longest
-        row's position + 1)."""
-        padded, length = row_bucket(rows, self.max_rows), length_bucket(visible.shape[1], self.max_len)
-        mask = self.mask[:padded, 0, 0, :length]
-        mask.fill_(self.floor)
-        mask[:rows, : visible.shape[1]].masked_fill_(visible, 0.0)
-        mask[rows:, 0] = 0.0  # padding rows see their own column 0
-        self.positions[rows:padded] = 0
+        next step); `length`: the longest row's position + 1."""
+        padded, bucket = row_bucket(rows, self.max_rows), length_bucket(length, self.max_len)
+        if padded > rows:
+            self.positions[rows:padded] = 0
         if not self.capture:
-            return self.step(padded, length)[:rows]
+            return self.step(padded, bucket)[:rows]
         with torch.cuda.device(self.positions.device):  # a stepping thread starts on device 0
-            graph, out = self._graphs.get((padded, length)) or self._capture(padded, length)
+            graph, out = self._graphs.get((padded, bucket)) or self._capture(padded, bucket)
             graph.replay()
         return out[:rows]
 
