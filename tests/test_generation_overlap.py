@@ -238,3 +238,28 @@ def test_a_step_in_flight_that_cannot_be_read_takes_its_requests_out(monkeypatch
     monkeypatch.setattr(decode.Drawn, "read", real_read)
     list(engine.iter_results())  # what finished before the failure
     assert_same(engine.generate(prompts, params), make_engine(False).generate(prompts, params))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_draws_that_cannot_be_read_take_their_requests_out(monkeypatch, overlap):
+    """A read of a step's draws that fails once (the device's buffers have moved on without the host):
+    that step's requests leave the engine rather than go on a token short; every other request's result
+    is what it would have been."""
+    prompts, params = workload()
+    want = make_engine(False).generate(prompts, params)
+    engine = make_engine(overlap)
+    real, reads = decode.Drawn.read, []
+
+    def flaky(self):
+        reads.append(len(self.requests))
+        if len(reads) == 5:
+            raise RuntimeError("read failed")
+        return real(self)
+
+    monkeypatch.setattr(decode.Drawn, "read", flaky)
+    with pytest.raises(RuntimeError, match="read failed"):
+        engine.generate(prompts, params)
+    got = {r.request_id: r for r in engine.iter_results()}
+    assert 0 < len(got) < len(prompts)  # the unread step's requests are gone
+    for rid, result in got.items():
+        assert_same([result], [want[rid]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import threading
 
@@ -572,6 +573,8 @@ for line in sys.stdin:
         time.sleep(600)
     if c == "die":
         os._exit(3)
+    if c == "stray":
+        print("a line that is not an answer", flush=True)
     print(json.dumps({"reward": 1.0, "error": None}), flush=True)
 """
 
@@ -598,6 +601,52 @@ def test_math_child_that_hangs_or_dies_fails_its_sample_alone(monkeypatch):
     broken = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", "import sys; sys.exit(4)"])
     with pytest.raises(RuntimeError, match=r"scoring process exited \(code 4\).*posttrain\[math\]"):
         broken.score([("a", "1")])
+    chatty = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", "print('hello'); input()"])
+    with pytest.raises(RuntimeError, match=r"printed b'hello\\n' instead of 'ready'"):
+        chatty.score([("a", "1")])
+    assert chatty._proc is None  # a child that never said ready is not kept
+
+
+def test_math_child_survives_what_its_parent_meets(monkeypatch):
+    """The scoring child against its parent's circumstances: a stray line (not an answer) fails that
+    sample and restarts it, never shifting the later answers by one; the child has a session of its
+    own (a Ctrl-C at the terminal, a graceful stop of the run, does not kill it mid-sample); the
+    parent's descriptors past 1023 (select.select refused them); and a scoring thread that blocks SIGALRM
+    (math-verify's timeout signal) does not pass the block on."""
+    import resource
+    import signal
+
+    from posttrain.tasks import math_child
+    from posttrain.tasks.math import MathVerifyReward
+
+    child = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", FAKE_CHILD])
+    out = child.score([("a", "1"), ("stray", "1"), ("b", "1"), ("c", "1")])
+    assert [r for r, _ in out] == [1.0, out[1][0], 1.0, 1.0] and "not a result; restarted" in out[1][1]
+    assert os.getsid(child._proc.pid) != os.getsid(0)
+    child.close()
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard if hard != resource.RLIM_INFINITY else 4096) < 1200:
+        pytest.skip("needs 1200 open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        child = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", FAKE_CHILD])
+        assert child.score([("a", "1")]) == [(1.0, None)] and child._proc.stdout.fileno() > 1023
+        child.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    reward = MathVerifyReward(timeout_seconds=1)
+
+    def blocked():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        return reward(["p"], ["\\boxed{9^{9^{9}}}"], [{"answer": "5"}])
+
+    result = off_main_thread(blocked)
+    assert "TimeoutException" in result.errors[0] and reward._child.kills == 0
 
 
 # ---------------------------------------------------------------- task config

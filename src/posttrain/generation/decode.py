@@ -107,16 +107,12 @@ class DecodeSteps:
 
     def _settle_after_failure(self) -> list[Request]:
         """`_settle` when a step failed: its requests continue from what the step in flight drew (the
-        device's buffers already hold it). Where that read fails too, the step's requests are taken out
-        of their slots (their device state is a token ahead of what they hold; they are lost, the step's
-        error is raised) and the read's error is logged."""
-        pending = self._pending
+        device's buffers already hold it). Where that read fails too, its error is logged (the step's
+        error is the one raised)."""
         try:
             return self._settle()
-        except BaseException as e:
+        except BaseException as e:  # `_record` took the unread step's requests out
             log.error("could not read the decode step in flight after a failed step: %r", e)
-            gone = {id(r) for r in pending.requests}
-            self._release([i for i, r in enumerate(self._active) if id(r) in gone])
             return []
 
     def _launch_decode(self) -> Drawn:
@@ -173,8 +169,16 @@ class DecodeSteps:
 
     def _record(self, drawn: Drawn) -> list[Request]:
         """Append drawn tokens to their requests (a request that left its slot since the launch, finished
-        or dropped, takes none); release the slots that finished; the requests that finished."""
-        host = drawn.read()
+        or dropped, takes none); release the slots that finished; the requests that finished. Draws that
+        cannot be read take their requests out of their slots, and the error is raised."""
+        try:
+            host = drawn.read()
+        except BaseException:
+            # the device's buffers are a token ahead of what these requests hold: continuing would skip
+            # a token, so they leave their slots (lost: the error is raised to their callers)
+            gone = {id(r) for r in drawn.requests}
+            self._release([i for i, r in enumerate(self._active) if id(r) in gone])
+            raise
         slot_of = {id(r): i for i, r in enumerate(self._active)}
         ended = []
         for req, (tok, lp) in zip(drawn.requests, host):

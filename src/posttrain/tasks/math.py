@@ -26,6 +26,7 @@ from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
 logger = get_logger(__name__)
+_CHILD_LOCK = threading.Lock()
 
 DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
 
@@ -67,8 +68,9 @@ class MathVerifyReward:
         self, completions: list[str], metadata: list[dict[str, Any]]
     ) -> list[tuple[float, str | None]]:
         """Scores from the child process (tasks/math_child.py); a row without a usable answer fails here."""
-        if self._child is None:
-            self._child = MathVerifyChild(self.timeout_seconds, self.float_rounding)
+        with _CHILD_LOCK:  # one child per reward, whichever scoring thread comes first
+            if self._child is None:
+                self._child = MathVerifyChild(self.timeout_seconds, self.float_rounding)
         scored: list[tuple[float, str | None] | None] = []
         pairs = []
         for completion, meta in zip(completions, metadata):

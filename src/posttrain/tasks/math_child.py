@@ -23,9 +23,12 @@ child prints "ready" once math-verify is imported.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -117,9 +120,8 @@ class MathVerifyChild:
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            _end(proc)
 
     def _score_one(self, completion: str, answer: str) -> tuple[float, str | None]:
         proc = self._ready()
@@ -138,8 +140,11 @@ class MathVerifyChild:
             )
         if not line:
             return self._lost(proc, f"math-verify's process died (exit code {proc.wait()})")
-        out = json.loads(line)
-        return (float("nan"), out["error"]) if out["error"] is not None else (float(out["reward"]), None)
+        try:
+            out = json.loads(line)
+            return (float("nan"), out["error"]) if out["error"] is not None else (float(out["reward"]), None)
+        except (ValueError, KeyError, TypeError):  # not its answer: every later line would be one off
+            return self._lost(proc, f"math-verify's process answered {line[:200]!r}, not a result; restarted")
 
     def _lost(self, proc: subprocess.Popen, error: str) -> tuple[float, str | None]:
         """The sample failed with `error`; the child is killed (the next sample starts a new one)."""
@@ -152,33 +157,62 @@ class MathVerifyChild:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self.close()
-        proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._proc = proc
-        line = self._read_line(proc, STARTUP_S)
+        # its own session: a Ctrl-C at the terminal (a graceful stop of the run) does not reach it; the
+        # parent's import path, so it imports the posttrain the parent runs
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, env=env
+        )
+        try:
+            line = self._read_line(proc, STARTUP_S)
+        except BaseException:
+            _end(proc)
+            raise
         if line != b"ready\n":
-            self.close()
-            why = "did not start in time" if line is None else f"exited (code {proc.poll()})"
+            _end(proc)
+            why = (
+                "did not start in time"
+                if line is None
+                else f"printed {line[:200]!r} instead of 'ready'"
+                if line
+                else f"exited (code {proc.returncode})"
+            )
             raise RuntimeError(
                 f"math-verify's scoring process {why} ({' '.join(self.argv)}); run that command to see "
                 "why (math-verify installed? pip install 'posttrain[math]')"
             )
+        self._proc = proc  # only once it is ready
         return proc
 
     @staticmethod
     def _read_line(proc: subprocess.Popen, timeout: float) -> bytes | None:
         """The child's next line (b"" when it closed its output), or None after `timeout` seconds."""
         deadline = time.monotonic() + timeout
+        poller = select.poll()  # not select.select: it refuses descriptors past 1023
+        poller.register(proc.stdout, select.POLLIN | select.POLLHUP | select.POLLERR)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            readable, _, _ = select.select([proc.stdout], [], [], left)
-            if readable:
+            if poller.poll(left * 1000):
                 return proc.stdout.readline()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill a child (if it still runs), reap it and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
 def main(argv: list[str]) -> None:
     """The child's side: score each sample read from stdin in this (main) thread, answer on stdout."""
+    # math-verify's timeouts are SIGALRM: the mask inherited from the thread that started this process
+    # must not block it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
     out, sys.stdout = sys.stdout, sys.stderr  # the protocol alone on stdout; anything printed goes to stderr
     scorer = MathVerifyScorer(int(argv[0]), int(argv[1]))
     out.write("ready\n")
