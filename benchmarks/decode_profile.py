@@ -65,7 +65,6 @@ def profile(size: str, compile_decode: bool, overlap: bool, steps: int, batch: i
     engine.step()  # prefill + the first decode step
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
     # the steps back to back, one sync at the end (a sync per step would undo overlap_decode)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -12,19 +12,21 @@ Sizes: the sweep's 150m (32000-token vocabulary) and the shapes of Qwen2.5-0.5B 
   fraction is a lower bound of the decode steps'.
 - the engine replays its decode steps from CUDA graphs (`generation.cuda_graphs`, generation/graphs.py)
   of the step compiled by torch.compile (`generation.compile_decode`), each step launched before the
-  host reads the one before (`generation.overlap_decode`), in both modes; greedy is timed with each of
-  these taken off in turn (`gpu_cuda_graphs_speedup_<size>`: greedy without graphs over graphs of the
-  eager step; `gpu_compile_decode_speedup_<size>`: graphs of the eager step over graphs of the compiled
-  one; `gpu_overlap_decode_speedup_<size>`: without overlap over with it). `--no-cuda-graphs`,
-  `--no-compile` and `--no-overlap` turn them off.
+  host reads the one before (`generation.overlap_decode`), in both modes; greedy is also timed with
+  these taken off one after another (`gpu_cuda_graphs_speedup_<size>`: greedy without graphs over
+  graphs of the eager step; `gpu_compile_decode_speedup_<size>`: graphs of the eager step over graphs of
+  the compiled one; `gpu_overlap_decode_speedup_<size>`: without overlap over with it; each printed only
+  where the two runs differ in that option alone, after any fallback). `--no-cuda-graphs`,
+  `--no-compile` and `--no-overlap` turn them off. Each size's RESULT lines are printed as it ends
+  ("so far") and gpu.json rewritten, so a run cut short keeps them.
 - training (benchmarks/train_throughput.py `compare_train`): one global batch of 16 x 512 tokens in
   micro-batches of 4, fp32 weights and bf16 autocast on both sides, AdamW; model FLOP/s as a fraction of
   the measured bf16 matmul peak.
 
     python benchmarks/gpu.py [--quick] [--sizes 150m,qwen2.5-0.5b,qwen2.5-1.5b] [--out DIR]
 
-`--quick` runs 150m alone with short jobs (< 1 minute after start-up). Needs CUDA; `--device cpu` runs
-the same code on the CPU (to check the script itself, numbers meaningless).
+`--quick` runs 150m alone with short jobs (a few minutes, compiling included). Needs CUDA; `--device cpu`
+runs the same code on the CPU (to check the script itself, numbers meaningless).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def generation(
     lengths = [len(p) for p in make_prompts(vocab, batch)]  # the prompts `compare` decodes
     moved = decode_bytes(DecoderShape.of(tiny_config(vocab, **shp)), lengths, new_tokens, dtype.itemsize)
     # the engine in its fastest configuration (CUDA graphs of the compiled step, overlapped with the host)
-    # in both modes; greedy is also timed with each of them taken off in turn, the engines of before.
+    # in both modes; greedy is also timed with them taken off one after another, the engines of before.
     # Each mode falls back to the next simpler configuration where its own fails (the error is printed
     # and kept; the rest still counts)
     fast = {"cuda_graphs": graphs, "compile_decode": compiled, "overlap_decode": overlap}
@@ -170,7 +172,7 @@ def generation(
     for mode, engine_cfg in modes.items():
         greedy, errors = mode != "sampling", []
         run = functools.partial(compare, vocab, repeats, shp, greedy, batch, new_tokens, str(device), dtype)
-        fallbacks = [engine_cfg, {**engine_cfg, "compile_decode": False}, {"cuda_graphs": False}]
+        fallbacks = [full_cfg(c) for c in (engine_cfg, {**engine_cfg, "compile_decode": False}, {})]
         for cfg in [c for i, c in enumerate(fallbacks) if c not in fallbacks[:i]]:
             try:
                 c = run(cfg)
@@ -197,9 +199,49 @@ def generation(
         print(
             f"  generate {mode:16s}: engine {g['engine_tok_s']:9.1f} tok/s ({g['engine_ms_per_step']:.2f} ms/step, "
             f"{g['engine_bw_frac']:.1%} of bandwidth), transformers {g['hf_tok_s']:9.1f} tok/s "
-            f"({g['hf_ms_per_step']:.1f} ms/step, {g['hf_bw_frac']:.1%}), speedup {g['speedup']:.2f}x",
+            f"({g['hf_ms_per_step']:.1f} ms/step, {g['hf_bw_frac']:.1%}), speedup {g['speedup']:.2f}x"
+            + (f" [ran as {cfg}]" if errors else ""),
             flush=True,
         )
+    return out
+
+
+KNOBS = ("cuda_graphs", "compile_decode", "overlap_decode")
+
+
+def full_cfg(cfg: dict) -> dict:
+    """An engine configuration with every knob this benchmark turns named (off unless set)."""
+    return {k: bool(cfg.get(k, False)) for k in KNOBS}
+
+
+def differ_in(before: dict, after: dict, knob: str) -> bool:
+    """Whether `after` is `before` with `knob` turned on, and nothing else changed."""
+    return not before[knob] and after[knob] and {**before, knob: True} == after
+
+
+def result_lines(r: dict) -> list[str]:
+    """The RESULT lines of one size. A speedup of a knob is printed only where the two runs it compares
+    ran (after any fallback) with that knob alone different."""
+    size, g = r["size"], r["generate"]
+    out = [
+        result_line(f"gpu_gen_speedup_vs_hf_{size}", g["sampling"]["speedup"], ">=1"),
+        result_line(f"gpu_gen_speedup_vs_hf_greedy_{size}", g["greedy"]["speedup"], ">=1"),
+        result_line(f"gpu_decode_bw_frac_{size}", g["greedy"]["engine_bw_frac"], ">=0.5"),
+    ]
+    comparisons = [
+        ("cuda_graphs", ["greedy_no_graphs"], g.get("greedy_graphs", g["greedy"]), ">=2"),
+        ("compile_decode", ["greedy_graphs"], g.get("greedy_compiled", g["greedy"]), ">=1.5"),
+        ("overlap_decode", ["greedy_compiled", "greedy_graphs", "greedy_no_graphs"], g["greedy"], ">=1.1"),
+    ]
+    for knob, candidates, after, target in comparisons:
+        for mode in candidates:
+            before = g.get(mode)
+            if before is not None and differ_in(before["engine_cfg"], after["engine_cfg"], knob):
+                speedup = before["engine_s"] / after["engine_s"]
+                out.append(result_line(f"gpu_{knob}_speedup_{size}", speedup, target))
+                break
+    if "train" in r:
+        out.append(result_line(f"gpu_train_vs_handwritten_{size}", r["train"]["speedup"], ">=0.9"))
     return out
 
 
@@ -261,35 +303,19 @@ def main() -> None:
         if not args.no_train:
             r["train"] = training(size, args.quick, peak)
         results.append(r)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "gpu.json").write_text(
-            json.dumps(
-                {"device": name, "bandwidth": bandwidth, "peak_gflops": peak, "results": results}, indent=1
+        if args.out:  # after each size: a run cut short keeps what it measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            Path(args.out, "gpu.json").write_text(
+                json.dumps(
+                    {"device": name, "bandwidth": bandwidth, "peak_gflops": peak, "results": results},
+                    indent=1,
+                )
             )
-        )
+        for line in result_lines(r):  # the same lines again at the end, all sizes together
+            print(f"  so far: {line}", flush=True)
     for r in results:
-        size, g = r["size"], r["generate"]
-        print(result_line(f"gpu_gen_speedup_vs_hf_{size}", g["sampling"]["speedup"], ">=1"))
-        print(result_line(f"gpu_gen_speedup_vs_hf_greedy_{size}", g["greedy"]["speedup"], ">=1"))
-        print(result_line(f"gpu_decode_bw_frac_{size}", g["greedy"]["engine_bw_frac"], ">=0.5"))
-        graphed = g.get("greedy_graphs", g["greedy"])  # graphs of the eager step
-        if "greedy_no_graphs" in g and graphed["engine_cfg"].get("cuda_graphs"):
-            before = g["greedy_no_graphs"]["engine_s"]
-            print(result_line(f"gpu_cuda_graphs_speedup_{size}", before / graphed["engine_s"], ">=2"))
-        compiled_step = g.get("greedy_compiled", g["greedy"])
-        if "greedy_graphs" in g and compiled_step["engine_cfg"].get("compile_decode"):
-            before = g["greedy_graphs"]["engine_s"]
-            print(
-                result_line(f"gpu_compile_decode_speedup_{size}", before / compiled_step["engine_s"], ">=1.5")
-            )
-        if "greedy_compiled" in g and g["greedy"]["engine_cfg"].get("overlap_decode"):
-            before = g["greedy_compiled"]["engine_s"]
-            print(
-                result_line(f"gpu_overlap_decode_speedup_{size}", before / g["greedy"]["engine_s"], ">=1.1")
-            )
-        if "train" in r:
-            print(result_line(f"gpu_train_vs_handwritten_{size}", r["train"]["speedup"], ">=0.9"))
+        for line in result_lines(r):
+            print(line)
 
 
 if __name__ == "__main__":

@@ -588,7 +588,6 @@ def test_math_child_that_hangs_or_dies_fails_its_sample_alone(monkeypatch):
     monkeypatch.setattr(math_child, "SLACK_S", 0.0)
     child = math_child.MathVerifyChild(1, 6, argv=[sys.executable, "-c", FAKE_CHILD])
     pairs = [("a", "1"), ("hang", "1"), ("b", "1"), ("die", "1"), ("c", "1")]
-    first_pid = None
     out = child.score(pairs[:1])
     first_pid = child._proc.pid
     out += child.score(pairs[1:])

@@ -6,9 +6,10 @@ with a sliding window get masks of their own and keep only the window's keys/val
 attention soft-caps or has sinks run eager attention (generation/windows.py). Requests wait
 in a FIFO queue; each `step()` first prefills waiting prompts into free slots (right-padded, in
 forwards of similar prompt lengths, up to `max_prefill_tokens` per chunk), then decodes one token
-for every active slot (on a GPU optionally replayed from CUDA graphs, generation/graphs.py). A finished
-sequence frees its slot at once; waiting prompts take the free slots (continuous batching) once a
-quarter of them is free, or all the waiting prompts fit, or a few decode steps have passed
+for every active slot (on a GPU optionally replayed from CUDA graphs, generation/graphs.py; the decode
+step and its overlap with the host are generation/decode.py). A finished sequence frees its slot at
+once (one step later with `overlap_decode`); waiting prompts take the free slots (continuous batching)
+once a quarter of them is free, or all the waiting prompts fit, or a few decode steps have passed
 (`admit_min_free_fraction`, `admit_max_delay_steps`): each prefill is a forward of its own, so a
 trickle of one-slot prefills would cost more than the slots it fills.
 
@@ -76,8 +77,9 @@ DEFAULT_MAX_LEN = 4096  # context per slot when max_model_len is not set (bounds
 
 class GenerationEngine(AsyncStepping, DecodeSteps, EngineWeights, EngineSessions):
     """Batched sampler over one Hugging Face causal LM; see the module docstring. The asyncio verbs
-    come from `AsyncStepping` (generation/stepper.py), the weight verbs from `EngineWeights`
-    (generation/weights.py), the session verbs from `EngineSessions` (generation/sessions.py)."""
+    come from `AsyncStepping` (generation/stepper.py), the decode step from `DecodeSteps`
+    (generation/decode.py), the weight verbs from `EngineWeights` (generation/weights.py), the session
+    verbs from `EngineSessions` (generation/sessions.py)."""
 
     def __init__(self, model, tokenizer=None, cfg: GenerationConfig | None = None) -> None:
         self.cfg = cfg or GenerationConfig()

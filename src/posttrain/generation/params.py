@@ -84,7 +84,7 @@ class GenerationConfig(Config):
         description="launch each decode step before the host reads the one before (its inputs stay on the "
         "device), so the host's bookkeeping runs while the device decodes; results come one step later, "
         "each request draws the same tokens (generation/decode.py). Engines recording MoE routing do not "
-        "overlap",
+        "overlap, nor models whose rotary embedding follows the sequence length (dynamic, longrope)",
     )
     record_routing: bool = Field(
         False,

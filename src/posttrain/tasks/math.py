@@ -19,13 +19,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from posttrain.logging import get_logger
 from posttrain.tasks.datasets import DatasetConfig, PromptFormatConfig, answer_text, build_splits
 from posttrain.tasks.math_child import MathVerifyChild, MathVerifyScorer
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
-logger = get_logger(__name__)
 _CHILD_LOCK = threading.Lock()
 
 DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
@@ -40,7 +38,7 @@ class MathTaskConfig(TaskConfigBase):
         5,
         ge=1,
         description="Bound in seconds on each math-verify parse / compare (off the main thread: in a "
-        "child process, killed past three of these, see tasks/math_child.py).",
+        "child process, killed past three of these plus 5 s, see tasks/math_child.py).",
     )
     float_rounding: int = Field(6, ge=0, description="Decimal places math-verify rounds floats to.")
     prompt_format: PromptFormatConfig = Field(

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -178,7 +179,7 @@ class MathVerifyChild:
                 else f"exited (code {proc.returncode})"
             )
             raise RuntimeError(
-                f"math-verify's scoring process {why} ({' '.join(self.argv)}); run that command to see "
+                f"math-verify's scoring process {why} ({shlex.join(self.argv)}); run that command to see "
                 "why (math-verify installed? pip install 'posttrain[math]')"
             )
         self._proc = proc  # only once it is ready
