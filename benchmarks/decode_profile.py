@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import median, run_main  # noqa: E402
 from generation import make_prompts  # noqa: E402
-from gpu import SIZES  # noqa: E402
+from gpu import SIZES, _elapsed, _now  # noqa: E402
 
 from posttrain.generation.engine import GenerationEngine  # noqa: E402
 from posttrain.generation.params import GenerationConfig, SamplingParams  # noqa: E402
@@ -32,15 +32,13 @@ from posttrain.models.hf import build_tiny_model  # noqa: E402
 
 
 def device_ms(fn, repeats: int) -> float:
-    """Median device milliseconds of fn() (CUDA events around each call)."""
+    """Median device milliseconds of fn() (gpu.py's CUDA events around each call)."""
+    device = torch.device("cuda")
     times = []
     for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        t0 = _now(device)
         fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(_elapsed(device, t0) * 1e3)
     return median(times)
 
 

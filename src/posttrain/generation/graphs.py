@@ -46,23 +46,25 @@ def lean_step(lean: LeanDecoder | None, body, model_type: str, cfg) -> Callable[
     compiled with `cfg.compile_decode`. Refuses (ValueError with the fix) `cfg.cuda_graphs` and
     `cfg.compile_decode` for a model the lean decoder does not run, and graphs for a dynamic rotary
     embedding (it decides on the host whether to recompute, which a replay would skip)."""
-    for flag in ("cuda_graphs", "compile_decode"):
-        why = None
-        if getattr(cfg, flag) and lean is None:
-            why = "decodes through transformers' forward"
-        elif (
-            flag == "cuda_graphs"
-            and cfg.cuda_graphs
-            and "dynamic" in str(getattr(body.rotary_emb, "rope_type", ""))
-        ):
-            why = "has a dynamic rotary embedding (recomputed on a host-side length check)"
-        if why:
-            raise ValueError(
-                f"generation.{flag} covers the lean decoder's models (Llama, Qwen2, Mistral without sliding "
-                f"windows{' or dynamic rope' if flag == 'cuda_graphs' else ''}); this {model_type} model {why}. "
-                f"Set generation.{flag}=false for it"
-            )
+    if lean is None:
+        for flag in ("cuda_graphs", "compile_decode"):
+            if getattr(cfg, flag):
+                _refuse(flag, model_type, "decodes through transformers' forward")
+    elif cfg.cuda_graphs and "dynamic" in str(getattr(body.rotary_emb, "rope_type", "")):
+        _refuse(
+            "cuda_graphs",
+            model_type,
+            "has a dynamic rotary embedding (recomputed on a host-side length check)",
+        )
     return compiled(lean) if cfg.compile_decode else lean
+
+
+def _refuse(flag: str, model_type: str, why: str) -> None:
+    raise ValueError(
+        f"generation.{flag} covers the lean decoder's models (Llama, Qwen2, Mistral without sliding "
+        f"windows{' or dynamic rope' if flag == 'cuda_graphs' else ''}); this {model_type} model {why}. "
+        f"Set generation.{flag}=false for it"
+    )
 
 
 def row_bucket(rows: int, max_rows: int) -> int:

@@ -24,8 +24,6 @@ from posttrain.tasks.math_child import MathVerifyChild, MathVerifyScorer
 from posttrain.tasks.rewards import RewardResult
 from posttrain.tasks.task import Task, TaskConfigBase, make_scorer
 
-_CHILD_LOCK = threading.Lock()
-
 DEFAULT_MATH_TEMPLATE = "{prompt}\nPut your final answer within \\boxed{}."
 
 
@@ -54,7 +52,8 @@ class MathVerifyReward:
         self._mv = self._scorer.mv
         self.timeout_seconds = timeout_seconds
         self.float_rounding = float_rounding
-        self._child: MathVerifyChild | None = None  # scores off the main thread (started on first use)
+        # scores off the main thread; its process starts on first use
+        self._child = MathVerifyChild(timeout_seconds, float_rounding)
 
     def _score_here(self, completion: str, meta: dict[str, Any]) -> tuple[float, str | None]:
         try:
@@ -66,9 +65,6 @@ class MathVerifyReward:
         self, completions: list[str], metadata: list[dict[str, Any]]
     ) -> list[tuple[float, str | None]]:
         """Scores from the child process (tasks/math_child.py); a row without a usable answer fails here."""
-        with _CHILD_LOCK:  # one child per reward, whichever scoring thread comes first
-            if self._child is None:
-                self._child = MathVerifyChild(self.timeout_seconds, self.float_rounding)
         scored: list[tuple[float, str | None] | None] = []
         pairs = []
         for completion, meta in zip(completions, metadata):
